@@ -1,0 +1,329 @@
+"""The user-facing object: one backend, its peers, and block-structured memory.
+
+::
+
+    with Agent(backend="host") as decode:
+        decode.register_blocks("kv", kv_caches)            # block-first tensors
+        peer = decode.connect("tcp://10.0.0.5:7800")        # handshake + add_remote
+        decode.read_blocks(peer, [0, 1, 2], [7, 8, 9]).wait()
+
+Block ids become descriptor indices with one numpy broadcast; each
+(peer, layout) pair is prepped once and reused, as NIXL-based engines do.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from . import registry
+from .config import Config, load_config
+from .errors import (ClosedError, HandshakeError, IncompatiblePeer, InvalidArgument, KvtError,
+                     KvtTimeoutError, UnknownPeer)
+from .handshake import HandshakeServer, request
+from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
+from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
+
+__all__ = ["Agent", "Transfer", "poll_until"]
+
+
+def poll_until(check, timeout: float, what: str):
+    """Call ``check()`` until it returns something truthy; spin briefly, then
+    back off to 1 ms sleeps.  ``KvtTimeoutError`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    spins, delay = 0, 0.0
+    while True:
+        out = check()
+        if out:
+            return out
+        now = time.monotonic()
+        if now >= deadline:
+            raise KvtTimeoutError(f"{what} did not happen within {timeout:g}s")
+        spins += 1
+        if spins > 100:  # latency-sensitive start, then stop burning the core
+            delay = min(0.001, delay * 2 or 2e-5)
+            time.sleep(min(delay, deadline - now))
+
+
+class Transfer:
+    """A posted transfer: poll with ``state()``, block with ``wait()``."""
+
+    def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int):
+        self._agent, self.handle, self.nbytes = agent, handle, nbytes
+        self._released = False
+
+    def state(self) -> XferState:
+        return self._agent.backend.check_state(self.handle)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until ``DONE``; raises the ``TransferError`` cause on ``ERR``,
+        ``KvtTimeoutError`` after ``timeout`` (default: transfer_timeout + 5 s)."""
+        t = self._agent.config.transfer_timeout + 5 if timeout is None else timeout
+        def settled():
+            s = self.state()
+            return None if s.pending else s
+
+        state = poll_until(settled, t, f"transfer {self.handle} ({self.nbytes} bytes)")
+        if state.failed:
+            raise state.cause
+
+    def release(self) -> None:
+        """Free the handle (idempotent for this object)."""
+        if not self._released:
+            self._released = True
+            self._agent.backend.release(self.handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Agent:
+    """One backend plus its peers.  ``backend``/``options`` override the
+    configuration (``KVT_BACKEND``, ``KVT_CONFIG``); ``config`` replaces it."""
+
+    def __init__(self, name: str | None = None, backend: str | None = None,
+                 options: Mapping[str, Any] | None = None, *, config: Config | None = None):
+        self.config = config or load_config(backend=backend, options=options)
+        self.name = name or self.config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.backend_name = self.config.backend
+        self.backend = registry.create_backend(self.backend_name, self.name, self.config.options)
+        self.extra: dict[str, Any] = {}  #: published in AgentInfo (the connector's compatibility fields)
+        self._layouts: dict[str, BlockLayout] = {}
+        self._layout_regs: dict[str, RegHandle] = {}
+        self._peers: dict[str, AgentInfo] = {}
+        self._preps: dict[tuple[str | None, str], PrepHandle] = {}
+        self._pending: dict[str, list[bytes]] = {}
+        self._lock = threading.RLock()
+        self._server: HandshakeServer | None = None
+        self._closed = False
+
+    # -- memory ---------------------------------------------------------------
+
+    def register(self, mem: Any, kind: MemKind | str | None = None) -> RegHandle:
+        """Register torch tensors, numpy arrays, ``Descs`` or (addr, len, dev) rows."""
+        self._check_open()
+        return self.backend.register(Descs.coerce(mem, kind))
+
+    def deregister(self, handle: RegHandle) -> None:
+        self.backend.deregister(handle)
+
+    def register_blocks(self, layout: str, buffers: Sequence[Any], *,
+                        kind: MemKind | str | None = None) -> BlockLayout:
+        """Register block-first buffers (shape ``(num_blocks, ...)``, e.g. one
+        per layer, or per K and V) as the named layout peers address by block id.
+        Re-registering a layout replaces it."""
+        self._check_open()
+        buffers = list(buffers)
+        if not buffers:
+            raise InvalidArgument("register_blocks needs at least one buffer")
+        descs = Descs.from_buffers(buffers, kind)
+        nblocks = {int(b.shape[0]) for b in buffers}
+        if len(nblocks) != 1 or len(set(descs.lengths.tolist())) != 1 or len(set(descs.devices.tolist())) != 1:
+            raise InvalidArgument("every buffer of a layout needs the same shape, dtype and device "
+                                  f"(got first dims {sorted(nblocks)}, sizes {sorted(set(descs.lengths.tolist()))})")
+        num_blocks = nblocks.pop()
+        block_len = int(descs.lengths[0]) // max(num_blocks, 1)
+        with self._lock:
+            if layout in self._layout_regs:
+                self.backend.deregister(self._layout_regs.pop(layout))
+                self._drop_preps(lambda peer, name: name == layout and peer is None)
+            self._layout_regs[layout] = self.backend.register(descs)
+            self._layouts[layout] = BlockLayout(base_addrs=descs.addrs.tolist(), block_len=block_len,
+                                                num_blocks=num_blocks, stride=block_len,
+                                                device=int(descs.devices[0]), kind=descs.kind.value)
+            return self._layouts[layout]
+
+    @property
+    def layouts(self) -> dict[str, BlockLayout]:
+        return dict(self._layouts)
+
+    # -- peers ----------------------------------------------------------------
+
+    def info(self) -> AgentInfo:
+        """What a peer needs to reach us (sent by the handshake)."""
+        self._check_open()
+        return AgentInfo(name=self.name, backend=self.backend_name, metadata=self.backend.local_metadata(),
+                         layouts=dict(self._layouts), extra=dict(self.extra))
+
+    def listen(self, host: str | None = None, port: int | None = None) -> str:
+        """Serve our ``AgentInfo`` on the handshake side channel; returns its endpoint."""
+        self._check_open()
+        if self._server is None:
+            self._server = HandshakeServer(self._answer, host or self.config.listen_host,
+                                           self.config.listen_port if port is None else port).start()
+        return self._server.endpoint
+
+    @property
+    def endpoint(self) -> str | None:
+        return self._server.endpoint if self._server else None
+
+    def _answer(self, body: bytes) -> bytes:
+        try:
+            decode(body, HandshakeRequest)
+            return encode(HandshakeReply(payload=encode(self.info())))
+        except KvtError as e:
+            return encode(HandshakeReply(error=f"{type(e).__name__}: {e}"))
+
+    def connect(self, endpoint: str, timeout: float | None = None) -> str:
+        """Fetch a peer's ``AgentInfo`` through its side channel and load it.
+        Returns the peer's name.  ``HandshakeTimeout`` if it never answers."""
+        self._check_open()
+        raw = request(endpoint, encode(HandshakeRequest(sender=self.name)),
+                      self.config.handshake_timeout if timeout is None else timeout)
+        reply = decode(raw, HandshakeReply)
+        if reply.error:
+            raise HandshakeError(f"peer at {endpoint} refused the handshake: {reply.error}")
+        return self.add_peer(decode(reply.payload, AgentInfo))
+
+    def add_peer(self, info: AgentInfo | bytes) -> str:
+        """Load a peer's ``AgentInfo`` (re-adding refreshes it)."""
+        self._check_open()
+        if not isinstance(info, AgentInfo):
+            info = decode(info, AgentInfo)
+        if info.backend != self.backend_name:
+            raise IncompatiblePeer(f"peer {info.name!r} uses backend {info.backend!r}, we use "
+                                   f"{self.backend_name!r}; configure both sides with the same backend")
+        with self._lock:
+            name = self.backend.add_remote(info.metadata)
+            self._drop_preps(lambda peer, _: peer == name)
+            self._peers[name] = info
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            self._drop_preps(lambda p, _: p == peer)
+            self._peers.pop(peer, None)
+            self.backend.remove_remote(peer)
+
+    def peer_info(self, peer: str) -> AgentInfo:
+        try:
+            return self._peers[peer]
+        except KeyError:
+            raise UnknownPeer(f"unknown peer {peer!r}; connect() or add_peer() first "
+                              f"(known: {sorted(self._peers) or 'none'})") from None
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    # -- block transfers ------------------------------------------------------
+
+    def read_blocks(self, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
+                    notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
+        """Pull the peer's ``remote_ids`` blocks into our ``local_ids`` blocks."""
+        return self.transfer_blocks(Op.READ, peer, local_ids, remote_ids, layout, notif, remote_layout)
+
+    def write_blocks(self, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
+                     notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
+        """Push our ``local_ids`` blocks into the peer's ``remote_ids`` blocks."""
+        return self.transfer_blocks(Op.WRITE, peer, local_ids, remote_ids, layout, notif, remote_layout)
+
+    def transfer_blocks(self, op: Op, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
+                        notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
+        self._check_open()
+        rname = remote_layout or layout
+        mine, theirs = self._layout(None, layout), self._layout(peer, rname)
+        if mine.block_len != theirs.block_len or len(mine.base_addrs) != len(theirs.base_addrs):
+            raise IncompatiblePeer(
+                f"layout {layout!r} ({len(mine.base_addrs)} regions x {mine.block_len} B blocks) does not match "
+                f"peer {peer!r}'s {rname!r} ({len(theirs.base_addrs)} x {theirs.block_len} B)")
+        lidx = self.block_index(mine, local_ids)
+        ridx = self.block_index(theirs, remote_ids)
+        handle = self.backend.transfer(op, self._prep(None, layout), lidx, self._prep(peer, rname), ridx, notif)
+        return Transfer(self, handle, int(lidx.size) * mine.block_len)
+
+    @staticmethod
+    def block_index(layout: BlockLayout, block_ids: Any) -> np.ndarray:
+        """Descriptor indices of ``block_ids`` in every region (region-major)."""
+        ids = as_index(block_ids, layout.num_blocks, "block ids")
+        regions = np.arange(len(layout.base_addrs), dtype=np.int64)
+        return (regions[:, None] * layout.num_blocks + ids[None, :]).ravel()
+
+    def _layout(self, peer: str | None, name: str) -> BlockLayout:
+        layouts = self._layouts if peer is None else self.peer_info(peer).layouts
+        try:
+            return layouts[name]
+        except KeyError:
+            who = "this agent" if peer is None else f"peer {peer!r}"
+            raise InvalidArgument(f"{who} has no block layout {name!r} (has {sorted(layouts) or 'none'}); "
+                                  "register_blocks() it first") from None
+
+    def _prep(self, peer: str | None, layout: str) -> PrepHandle:
+        key = (peer, layout)
+        with self._lock:
+            h = self._preps.get(key)
+            if h is None:
+                lay = self._layout(peer, layout)
+                descs = Descs.from_blocks(lay.base_addrs, lay.block_len, np.arange(lay.num_blocks),
+                                          stride=lay.stride, device=lay.device, kind=lay.kind)
+                h = self._preps[key] = self.backend.prep(peer, descs)
+            return h
+
+    def _drop_preps(self, match) -> None:
+        for key in [k for k in self._preps if match(*k)]:
+            self.backend.release(self._preps.pop(key))
+
+    # -- notifications --------------------------------------------------------
+
+    def notify(self, peer: str, msg: bytes) -> None:
+        self.backend.notify(peer, msg)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Everything received since the last call, by sender."""
+        with self._lock:
+            out, self._pending = self._pending, {}
+            for sender, msgs in self.backend.get_notifs().items():
+                out.setdefault(sender, []).extend(msgs)
+        return out
+
+    def wait_notif(self, peer: str | None = None, timeout: float = 10.0,
+                   match: bytes | None = None) -> tuple[str, bytes]:
+        """The next notification (from ``peer``, equal to ``match``, if given);
+        others stay queued for ``get_notifs``.  ``KvtTimeoutError`` on timeout."""
+
+        def take():
+            with self._lock:
+                for sender, msgs in self.backend.get_notifs().items():
+                    self._pending.setdefault(sender, []).extend(msgs)
+                for sender, msgs in self._pending.items():
+                    if peer not in (None, sender):
+                        continue
+                    for i, m in enumerate(msgs):
+                        if match is None or m == match:
+                            return sender, msgs.pop(i)
+            return None
+
+        return poll_until(take, timeout, f"notification from {peer or 'any peer'}")
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"agent {self.name!r} is closed")
+
+    def close(self) -> None:
+        """Stop the side channel and close the backend.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r}, backend={self.backend_name!r}, peers={len(self._peers)})"

@@ -1,0 +1,223 @@
+"""The backend protocol (SPI): what a plugin implements.
+
+A backend moves bytes between registered memory of its own agent and of
+remote agents.  It is modelled on NIXL's agent API so that a NIXL-backed
+plugin is a thin adapter, but owned by kvt and typed.
+
+Lifecycle of a transfer::
+
+    h = b.register(Descs.from_buffers([kv]))            # make memory reachable
+    peer = b.add_remote(remote_metadata_bytes)          # load a peer
+    lp = b.prep(None, local_descs)                      # once per layout
+    rp = b.prep(peer, remote_descs)
+    x = b.transfer(Op.READ, lp, [0, 5], rp, [3, 4], notif=b"req-7")
+    while b.check_state(x).pending: ...                 # PROC -> DONE | ERR
+    b.release(x)
+
+Contract every backend keeps (the conformance suite checks each):
+
+* ``transfer`` never blocks on the network; ``check_state`` never blocks long.
+* A ``notif`` attached to a transfer is delivered only after all its bytes
+  have landed at the target.
+* Descriptors outside registered memory, an unknown peer, a released handle:
+  a typed error *before* any byte moves.
+* A dead or unreachable peer turns in-flight transfers into ``ERR`` within
+  the configured ``timeout`` option.  Nothing hangs; nothing leaks.
+* Only :mod:`kvt.errors` escapes.
+* Operations outside ``capabilities`` raise ``UnsupportedOperation``.
+* ``close`` is idempotent; every other verb raises ``ClosedError`` after it.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from .errors import ClosedError, InvalidArgument, UnsupportedOperation
+from .types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
+                    RegHandle, XferHandle, XferState, as_index)
+
+__all__ = ["Backend"]
+
+
+class Backend(abc.ABC):
+    """Base class of every kvt backend.
+
+    Subclasses set ``capabilities`` and implement the abstract verbs.
+    ``options`` are the backend's own settings from kvt's configuration; the
+    common ones are ``timeout`` (seconds before an unresponsive peer turns a
+    transfer to ``ERR``, default 30).
+    """
+
+    #: what this backend can do; declared as data, never implied by its name
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
+        if not agent_name:
+            raise InvalidArgument("agent_name must be a non-empty string")
+        self.agent_name = agent_name
+        self.options = dict(options or {})
+        self.timeout = float(self.options.get("timeout", 30.0))
+        self._closed = False
+        self._ids = iter(range(1, 1 << 62))
+        self._ids_lock = threading.Lock()
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Whether this backend can run on this machine (cheap; no network)."""
+        return Availability(True)
+
+    # -- memory ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def register(self, mem: Descs) -> RegHandle:
+        """Make the memory in ``mem`` reachable by local and remote transfers.
+
+        Regions may overlap and may be empty.  Raises ``UnsupportedOperation``
+        for a memory kind not in ``capabilities.mem_kinds``.  Remote agents
+        see a registration after re-fetching this agent's metadata.
+        """
+
+    @abc.abstractmethod
+    def deregister(self, handle: RegHandle) -> None:
+        """Undo ``register``.  An unknown or already deregistered handle
+        raises ``InvalidHandle`` and changes nothing."""
+
+    def get_xfer_descs(self, mem: Any, kind: MemKind | str | None = None) -> Descs:
+        """Build a descriptor list from ``Descs``, an ``(n, 3)`` array of
+        ``(address, length, device)``, ``(addr, len, dev)`` tuples, or torch
+        tensors / numpy arrays.  Vectorised; no per-row Python work.
+        Backends may override to attach a native list."""
+        self._check_open()
+        descs = Descs.coerce(mem, kind)
+        self._check_kind(descs.kind)
+        return descs
+
+    # -- peers ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def local_metadata(self) -> bytes:
+        """Opaque bytes a peer passes to its ``add_remote`` to reach us.
+        Includes the memory registered so far."""
+
+    @abc.abstractmethod
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata (re-loading refreshes it); returns the peer's
+        agent name.  Malformed bytes raise ``WireError``."""
+
+    @abc.abstractmethod
+    def remove_remote(self, peer: str) -> None:
+        """Forget a peer; its in-flight transfers end in ``ERR``.  An unknown
+        peer raises ``UnknownPeer``."""
+
+    # -- transfers ------------------------------------------------------------
+
+    @abc.abstractmethod
+    def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
+        """Prepare a descriptor list once; transfers then address it by index.
+
+        ``peer=None`` means our own memory (the local side of a transfer, or
+        both sides of a local transfer).  The list must lie inside memory
+        registered by that agent (as far as its metadata tells), else
+        ``InvalidDescriptor``; an unknown peer raises ``UnknownPeer``."""
+
+    @abc.abstractmethod
+    def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any,
+                 remote_prep: PrepHandle, remote_idx: Any,
+                 notif: bytes | None = None) -> XferHandle:
+        """Post a one-sided ``op`` pairing local rows ``local_idx`` with remote
+        rows ``remote_idx`` (equal counts and pairwise equal lengths; ``None``
+        means every row).  Returns at once with a handle; never blocks on the
+        network.  ``notif`` reaches the remote agent after all bytes landed.
+        Errors in the arguments raise before any byte moves."""
+
+    @abc.abstractmethod
+    def check_state(self, handle: XferHandle) -> XferState:
+        """``PROC``, ``DONE`` or ``ERR`` (with its ``TransferError`` cause).
+        Never blocks long.  A released handle raises ``InvalidHandle``."""
+
+    @abc.abstractmethod
+    def release(self, handle: XferHandle | PrepHandle) -> None:
+        """Free a transfer or prep handle.  Releasing a transfer still in
+        flight cancels it where the backend can, else waits for it (bounded by
+        ``timeout``).  Releasing twice raises ``InvalidHandle``."""
+
+    # -- notifications --------------------------------------------------------
+
+    @abc.abstractmethod
+    def notify(self, peer: str, msg: bytes) -> None:
+        """Send a small message (``<= capabilities.max_notif_bytes``) to a peer.
+        Messages to one peer arrive in the order sent."""
+
+    @abc.abstractmethod
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Messages received since the last call, by sender agent name, in
+        arrival order.  Never blocks."""
+
+    # -- lifecycle ------------------------------------------------------------
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything (threads, sockets, registrations).  Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- helpers for implementations -------------------------------------------
+
+    def _next_id(self) -> int:
+        with self._ids_lock:
+            return next(self._ids)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"backend {type(self).__name__} of agent {self.agent_name!r} is closed")
+
+    def _check_kind(self, kind: MemKind) -> None:
+        if kind not in self.capabilities.mem_kinds:
+            raise UnsupportedOperation(
+                f"{type(self).__name__} does not support {kind.value} memory; it declares "
+                f"{sorted(k.value for k in self.capabilities.mem_kinds)}")
+
+    def _check_op(self, op: Any, notif: bytes | None) -> Op:
+        try:
+            op = Op(op)
+        except ValueError:
+            raise InvalidArgument(f"op must be Op.READ or Op.WRITE, got {op!r}") from None
+        if op not in self.capabilities.ops:
+            raise UnsupportedOperation(f"{type(self).__name__} does not declare {op.value}")
+        if notif is not None:
+            self._check_notif(notif)
+        return op
+
+    def _check_notif(self, msg: Any) -> None:
+        if not self.capabilities.notifications:
+            raise UnsupportedOperation(f"{type(self).__name__} does not declare notifications")
+        if not isinstance(msg, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"notification must be bytes, got {type(msg).__name__}")
+        if len(msg) > self.capabilities.max_notif_bytes:
+            raise InvalidArgument(f"notification of {len(msg)} bytes exceeds the declared maximum "
+                                  f"{self.capabilities.max_notif_bytes}")
+
+    @staticmethod
+    def _pair(local: Descs, local_idx: Any, remote: Descs, remote_idx: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Select and check the paired rows of a transfer: equal counts and
+        pairwise equal lengths.  Returns the two ``(k, 3)`` row arrays."""
+        li = as_index(local_idx, len(local), "local_idx")
+        ri = as_index(remote_idx, len(remote), "remote_idx")
+        if li.size != ri.size:
+            raise InvalidArgument(f"local_idx selects {li.size} descriptors but remote_idx {ri.size}; "
+                                  "they are paired one to one")
+        lrows, rrows = local.array[li], remote.array[ri]
+        mismatch = np.flatnonzero(lrows[:, 1] != rrows[:, 1])
+        if mismatch.size:
+            i = int(mismatch[0])
+            raise InvalidArgument(f"{mismatch.size} descriptor pairs differ in length; first is pair {i}: "
+                                  f"local {int(lrows[i, 1])} bytes vs remote {int(rrows[i, 1])} bytes")
+        return lrows, rrows

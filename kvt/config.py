@@ -1,0 +1,171 @@
+"""Configuration: which backend, its options, and the agent's network settings.
+
+Sources, highest precedence first::
+
+    explicit arguments      load_config(backend=..., options=..., listen_port=...)
+    environment             KVT_BACKEND=<name>
+    TOML file               path=... argument, else KVT_CONFIG=<path>
+    defaults                the field defaults of ``Config``
+
+The TOML file's top-level keys are ``Config`` fields, plus per-backend option
+tables ``[backends.NAME]`` applied when NAME is the chosen backend.  Options
+merge key by key: file ``options`` < file ``[backends.NAME]`` < explicit
+``options``.  Every value is validated with msgspec; a bad one raises
+``ConfigError`` naming the field and where it came from.  See
+docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Annotated, Any, Mapping
+
+import msgspec
+
+from .errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["Config", "load_config", "ENV_BACKEND", "ENV_CONFIG"]
+
+ENV_BACKEND = "KVT_BACKEND"
+ENV_CONFIG = "KVT_CONFIG"
+
+_Seconds = Annotated[float, msgspec.Meta(gt=0)]
+_Text = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A validated kvt configuration."""
+
+    #: entry-point name of the backend (``kvt backends`` lists them)
+    backend: _Text = "host"
+    #: the backend's own options; ``timeout`` defaults to ``transfer_timeout``
+    options: dict[str, Any] = {}
+    #: agent name; ``None`` lets the agent pick a unique one
+    name: _Text | None = None
+    #: address the handshake listener binds to
+    listen_host: _Text = "127.0.0.1"
+    #: port the handshake listener binds to; 0 = any free port
+    listen_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    #: seconds to wait for a peer's metadata
+    handshake_timeout: _Seconds = 5.0
+    #: seconds before an unresponsive peer turns a transfer to ERR
+    transfer_timeout: _Seconds = 30.0
+
+    def __post_init__(self) -> None:
+        timeout = self.options.get("timeout", self.transfer_timeout)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"options.timeout must be a positive number of seconds, got {timeout!r}")
+        self.options = {**self.options, "timeout": timeout}
+
+
+_FIELDS = Config.__struct_fields__
+_DEFAULTS = Config()
+
+
+def _unknown(key: str, source: str, valid: tuple[str, ...]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    maybe = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown configuration key {key!r} in {source}{maybe}; valid keys: {', '.join(valid)}")
+
+
+def _read_toml(path: str | os.PathLike, source: str) -> dict[str, Any]:
+    try:
+        with open(Path(path).expanduser(), "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {source}: {e.strerror or e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {source} is not valid TOML: {e}") from e
+
+
+def _split_file(data: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separate a TOML document into Config fields and ``[backends.*]`` tables."""
+    tables = data.pop("backends", {})
+    for key in data:
+        if key not in _FIELDS:
+            raise _unknown(key, source, (*_FIELDS, "backends"))
+    if not isinstance(tables, dict):
+        raise ConfigError(f"'backends' in {source} must be a table of per-backend option tables "
+                          f"([backends.NAME]), got {type(tables).__name__}")
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"'backends.{name}' in {source} must be a table of options, "
+                              f"got {type(table).__name__}")
+    return data, tables
+
+
+def _check(field: str, value: Any, source: str) -> None:
+    """Validate one field alone so that the error names it and its source."""
+    try:
+        msgspec.convert({field: value}, Config)
+    except msgspec.ValidationError as e:
+        why = str(e).split(" - at `$", 1)[0]
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ConfigError(f"invalid {field} = {shown} from {source}: {why}") from e
+
+
+def _as_dict(options: Any) -> Any:
+    if options is None:
+        return {}
+    return dict(options) if isinstance(options, Mapping) else options  # non-mappings fail validation
+
+
+def load_config(backend: str | None = None, options: Mapping[str, Any] | None = None, *,
+                path: str | os.PathLike | None = None, env: Mapping[str, str] = os.environ,
+                **overrides: Any) -> Config:
+    """Build a ``Config`` from explicit arguments, the environment and a TOML file.
+
+    ``overrides`` are other ``Config`` fields (``name``, ``listen_port``...);
+    an argument that is ``None`` counts as not given.  ``env`` replaces
+    ``os.environ`` (tests).  Raises ``ConfigError`` naming the offending
+    field or key and its source.
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    file_options: dict[str, Any] = {}
+    tables: dict[str, Any] = {}
+
+    if path is None and env.get(ENV_CONFIG):
+        path, file_source = env[ENV_CONFIG], f"{env[ENV_CONFIG]} (from {ENV_CONFIG})"
+    else:
+        file_source = str(path)
+    if path is not None:
+        data, tables = _split_file(_read_toml(path, file_source), file_source)
+        if isinstance(data.get("options"), dict):
+            file_options = data.pop("options")
+        values.update(data)
+        sources.update(dict.fromkeys(data, file_source))
+
+    if env.get(ENV_BACKEND):
+        values["backend"], sources["backend"] = env[ENV_BACKEND], f"environment variable {ENV_BACKEND}"
+
+    explicit = {k: v for k, v in {"backend": backend, **overrides}.items() if v is not None}
+    for key in explicit:
+        if key not in _FIELDS:
+            raise _unknown(key, "load_config() arguments", _FIELDS)
+    values.update(explicit)
+    sources.update(dict.fromkeys(explicit, "load_config() arguments"))
+
+    for field, value in values.items():
+        _check(field, value, sources[field])
+
+    # options merge key by key: file [options] < file [backends.<chosen>] < explicit
+    chosen = values.get("backend", _DEFAULTS.backend)
+    merged: dict[str, Any] = {}
+    for layer, source in ((file_options, f"{file_source} [options]"),
+                          (tables.get(chosen, {}), f"{file_source} [backends.{chosen}]"),
+                          (_as_dict(options), "load_config(options=...)")):
+        _check("options", layer, source)
+        merged.update(layer)
+    values["options"] = merged
+    try:
+        return msgspec.convert(values, Config)
+    except msgspec.ValidationError as e:  # every field was checked above; kept as a backstop
+        raise ConfigError(f"invalid configuration: {e}") from e

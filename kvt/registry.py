@@ -1,0 +1,196 @@
+"""Backend discovery: the ``kvt.backends`` entry-point group.
+
+Listing reads installed distributions' metadata only (``importlib.metadata``)
+and never imports a plugin, so a broken plugin cannot break ``kvt backends``.
+Loading goes through stevedore's ``DriverManager``, which imports only the
+entry point asked for.  Every failure is a typed error:
+
+* a name nobody declares      -> ``BackendNotFound`` listing what is installed
+* a known kvt backend that is
+  not installed               -> ``BackendNotFound`` naming the package
+* the plugin fails to import  -> ``BackendLoadError`` saying why (cause chained)
+* the entry point is not a
+  ``Backend`` subclass, or its
+  ``capabilities`` are not a
+  ``Capabilities``            -> ``BackendLoadError``
+* the class says it cannot
+  run here                    -> ``BackendUnavailable`` (from ``create_backend``)
+
+A plugin declares itself in its ``pyproject.toml``::
+
+    [project.entry-points."kvt.backends"]
+    mybackend = "my_package.backend:MyBackend"
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata as md
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from stevedore import DriverManager, ExtensionManager
+from stevedore.exception import MultipleMatches, NoMatches
+
+from .backend import Backend
+from .errors import BackendLoadError, BackendNotFound, BackendUnavailable, KvtError
+from .types import Availability, Capabilities
+
+__all__ = ["GROUP", "KNOWN", "BackendInfo", "BackendStatus", "list_backends",
+           "load_backend", "probe", "create_backend", "install_hint"]
+
+#: the entry-point group every backend plugin declares
+GROUP = "kvt.backends"
+
+#: backends kvt ships as separate distributions: name -> distribution name
+KNOWN: dict[str, str] = {
+    "host": "kvt-host",
+    "nixl": "kvt-nixl",
+    "ucx": "kvt-ucx",
+    "example": "kvt-example",
+}
+
+
+def install_hint(name: str) -> str:
+    """The command that installs known backend ``name`` from a kvt checkout."""
+    return f"pip install -e plugins/{name}"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """An installed backend, as declared in its distribution's metadata."""
+
+    name: str     #: entry point name, e.g. ``host``
+    value: str    #: ``module:Class`` the entry point refers to
+    dist: str     #: distribution that declares it, e.g. ``kvt-host``
+    version: str  #: that distribution's version
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """What ``probe`` learnt about a backend by importing it.
+
+    ``capabilities`` is ``None`` when the plugin could not be loaded; the
+    reason is then in ``availability.reason``.
+    """
+
+    info: BackendInfo
+    capabilities: Capabilities | None
+    availability: Availability
+
+    @property
+    def usable(self) -> bool:
+        return self.availability.usable
+
+
+def _entry_points() -> list[md.EntryPoint]:
+    return sorted(md.entry_points(group=GROUP), key=lambda ep: ep.name)
+
+
+def _info(ep: md.EntryPoint) -> BackendInfo:
+    dist = ep.dist
+    return BackendInfo(ep.name, ep.value, dist.name if dist else "?", dist.version if dist else "?")
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every installed backend, sorted by name.  Imports no plugin."""
+    return [_info(ep) for ep in _entry_points()]
+
+
+def _not_found(name: str, installed: list[str]) -> BackendNotFound:
+    have = ", ".join(sorted(set(installed))) or "none"
+    dist = KNOWN.get(name)
+    if dist is None:
+        close = difflib.get_close_matches(name, [*installed, *KNOWN], n=1)
+        maybe = f" Did you mean {close[0]!r}?" if close else ""
+        return BackendNotFound(f"no kvt backend named {name!r}.{maybe} Installed backends: {have}. "
+                               f"A backend is a distribution declaring a {GROUP!r} entry point.")
+    try:
+        version = md.version(dist)
+    except md.PackageNotFoundError:
+        return BackendNotFound(f"backend {name!r} is not installed; install the {dist!r} package "
+                               f"(`{install_hint(name)}` from a kvt checkout). Installed backends: {have}.")
+    return BackendNotFound(f"{dist} {version} is installed but declares no {GROUP!r} entry point {name!r}; "
+                           f"reinstall it (`{install_hint(name)}`). Installed backends: {have}.")
+
+
+def _find(name: str) -> BackendInfo:
+    eps = _entry_points()
+    mine = [ep for ep in eps if ep.name == name]
+    if not mine:
+        raise _not_found(name, [ep.name for ep in eps])
+    if len(mine) > 1:
+        who = ", ".join(f"{i.dist} {i.version} ({i.value})" for i in map(_info, mine))
+        raise BackendLoadError(f"backend name {name!r} is declared by several distributions: {who}; "
+                               "uninstall all but one")
+    return _info(mine[0])
+
+
+def _load(info: BackendInfo) -> type[Backend]:
+    def failed(_manager: Any, _ep: Any, err: BaseException) -> None:
+        raise BackendLoadError(f"backend {info.name!r} ({info.dist} {info.version}, {info.value}) "
+                               f"failed to import: {type(err).__name__}: {err}") from err
+
+    # stevedore keeps the entry points of a group in a process-wide cache;
+    # drop ours so that what we load always matches what we just listed.
+    ExtensionManager.ENTRY_POINT_CACHE.pop(GROUP, None)
+    try:
+        cls = DriverManager(GROUP, info.name, on_load_failure_callback=failed,
+                            on_missing_entrypoints_callback=None).driver
+    except (NoMatches, MultipleMatches) as e:  # its on-disk cache disagrees with the metadata
+        raise BackendLoadError(f"stevedore could not load backend {info.name!r} ({info.value}): {e}; "
+                               "its entry-point cache (~/.cache/python-entrypoints) may be stale") from e
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise BackendLoadError(f"backend {info.name!r} ({info.dist} {info.version}): entry point "
+                               f"{info.value} is {cls!r}, not a subclass of kvt.Backend")
+    if not isinstance(cls.capabilities, Capabilities):
+        raise BackendLoadError(f"backend {info.name!r} ({info.dist} {info.version}): {cls.__name__}.capabilities "
+                               f"is {type(cls.capabilities).__name__}, not a kvt.Capabilities")
+    return cls
+
+
+def load_backend(name: str) -> type[Backend]:
+    """Import backend ``name`` and return its class (not an instance)."""
+    return _load(_find(name))
+
+
+def probe(name: str) -> BackendStatus:
+    """Import backend ``name`` and ask whether it can run here.
+
+    An installed backend that fails to load is reported, not raised: its
+    status is unusable with the reason.  An unknown name raises
+    ``BackendNotFound``; a name declared by several distributions raises
+    ``BackendLoadError``."""
+    info = _find(name)
+    try:
+        cls = _load(info)
+    except BackendLoadError as e:
+        return BackendStatus(info, None, Availability(False, str(e)))
+    return BackendStatus(info, cls.capabilities, _availability(cls))
+
+
+def _availability(cls: type[Backend]) -> Availability:
+    try:
+        avail = cls.availability()
+    except Exception as e:  # a plugin bug must not break listing
+        return Availability(False, f"{cls.__name__}.availability() raised {type(e).__name__}: {e}")
+    if not isinstance(avail, Availability):
+        return Availability(False, f"{cls.__name__}.availability() returned {avail!r}, not an Availability")
+    return avail
+
+
+def create_backend(name: str, agent_name: str, options: Mapping[str, Any] | None = None) -> Backend:
+    """Load backend ``name`` and construct it for agent ``agent_name``.
+
+    Raises ``BackendUnavailable`` with the reason when the backend cannot
+    run on this machine or its constructor fails with a non-kvt error."""
+    cls = load_backend(name)
+    avail = _availability(cls)
+    if not avail.usable:
+        raise BackendUnavailable(f"backend {name!r} cannot run on this machine: {avail.reason}")
+    try:
+        return cls(agent_name, options)
+    except KvtError:
+        raise
+    except Exception as e:
+        raise BackendUnavailable(f"backend {name!r} failed to start: {type(e).__name__}: {e}") from e

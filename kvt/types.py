@@ -1,0 +1,305 @@
+"""Value types of the protocol: memory kinds, operations, transfer states,
+capabilities and descriptor lists.
+
+A descriptor list is one ``(n, 3)`` uint64 numpy array of rows
+``(address, length, device)``; every operation on it is vectorised, since
+engines move 100,000 blocks at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, NewType, Sequence
+
+import msgspec
+import numpy as np
+
+from .errors import InvalidArgument, TransferError
+
+__all__ = [
+    "MemKind", "Op", "Status", "XferState", "Capabilities", "Availability",
+    "Descs", "RegHandle", "PrepHandle", "XferHandle", "as_index",
+]
+
+RegHandle = NewType("RegHandle", int)
+PrepHandle = NewType("PrepHandle", int)
+XferHandle = NewType("XferHandle", int)
+
+
+class MemKind(str, enum.Enum):
+    """Where memory lives."""
+
+    DRAM = "DRAM"      #: host memory
+    VRAM = "VRAM"      #: CUDA device memory
+    DEVICE = "DEVICE"  #: memory of any other torch device (XPU, MPS, NPU, ...)
+
+    @classmethod
+    def of_device(cls, device: Any) -> "MemKind":
+        """The kind for a torch device (or its type string)."""
+        kind = getattr(device, "type", device)
+        return cls.DRAM if kind == "cpu" else cls.VRAM if kind == "cuda" else cls.DEVICE
+
+
+class Op(str, enum.Enum):
+    """A one-sided operation, seen from the initiator."""
+
+    READ = "READ"    #: remote -> local
+    WRITE = "WRITE"  #: local -> remote
+
+
+class Status(str, enum.Enum):
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+
+
+@dataclass(frozen=True, slots=True)
+class XferState:
+    """What ``check_state`` returns: a status and, for ``ERR``, its cause.
+
+    ``XferState.PROC`` and ``XferState.DONE`` are singletons;
+    ``XferState.err(cause)`` builds an error state.
+    """
+
+    status: Status
+    cause: TransferError | None = None
+
+    PROC: ClassVar["XferState"]
+    DONE: ClassVar["XferState"]
+
+    @classmethod
+    def err(cls, cause: TransferError) -> "XferState":
+        return cls(Status.ERR, cause)
+
+    @property
+    def done(self) -> bool:
+        return self.status is Status.DONE
+
+    @property
+    def failed(self) -> bool:
+        return self.status is Status.ERR
+
+    @property
+    def pending(self) -> bool:
+        return self.status is Status.PROC
+
+    def __repr__(self) -> str:
+        return f"XferState.{self.status.value}" + (f"({self.cause!r})" if self.cause else "")
+
+
+XferState.PROC = XferState(Status.PROC)
+XferState.DONE = XferState(Status.DONE)
+
+
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What a backend can do, declared as data on its class.
+
+    An operation outside these raises ``UnsupportedOperation``; the
+    conformance suite skips tests whose capability is not declared.
+    """
+
+    mem_kinds: frozenset[MemKind] = frozenset({MemKind.DRAM})
+    ops: frozenset[Op] = frozenset({Op.READ, Op.WRITE})
+    notifications: bool = True
+    #: transfers between two descriptor lists of the same agent (``prep(None, ...)``)
+    local: bool = True
+    #: transfers to another process
+    remote: bool = True
+    #: peers on other hosts (not only this machine)
+    cross_host: bool = True
+    #: largest message ``notify`` accepts
+    max_notif_bytes: int = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """Whether a backend can run on this machine and, if not, why."""
+
+    usable: bool
+    reason: str = ""
+
+
+def as_index(idx: Any, n: int, what: str = "index") -> np.ndarray:
+    """Normalise ``idx`` (None = all, int sequence, array) to int64 and bounds-check it."""
+    if idx is None:
+        return np.arange(n, dtype=np.int64)
+    arr = np.asarray(idx)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(f"{what} must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (arr.min() < 0 or arr.max() >= n):
+        raise InvalidArgument(f"{what} out of range: values must lie in [0, {n}), got [{arr.min()}, {arr.max()}]")
+    return arr
+
+
+class Descs:
+    """An immutable list of memory descriptors ``(address, length, device)``.
+
+    ``array`` is an ``(n, 3)`` uint64 array; ``kind`` the memory kind of every
+    row.  ``tensors`` optionally keeps the torch tensors or numpy arrays the
+    rows were taken from alive (and lets a staging backend reach device
+    memory through torch).
+    """
+
+    __slots__ = ("array", "kind", "tensors")
+
+    def __init__(self, array: Any, kind: MemKind | str = MemKind.DRAM, tensors: Sequence[Any] = ()):
+        arr = np.asarray(array)
+        if arr.size == 0:
+            arr = arr.reshape(0, 3)
+        if arr.ndim != 2 or arr.shape[1] != 3:
+            raise InvalidArgument(f"descriptors must have shape (n, 3) of (address, length, device), got {arr.shape}")
+        if arr.dtype.kind not in "iu" and arr.size:
+            raise InvalidArgument(f"descriptors must be integers, got dtype {arr.dtype}")
+        if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
+            raise InvalidArgument("descriptor addresses, lengths and devices must be non-negative")
+        arr = np.ascontiguousarray(arr, dtype=np.uint64)
+        arr.flags.writeable = False
+        try:
+            kind = MemKind(kind)
+        except ValueError:
+            raise InvalidArgument(f"unknown memory kind {kind!r}; use one of {[k.value for k in MemKind]}") from None
+        self.array, self.kind, self.tensors = arr, kind, tuple(tensors)
+
+    # -- construction -----------------------------------------------------
+
+    @classmethod
+    def from_regions(cls, addrs: Any, lengths: Any, devices: Any = 0,
+                     kind: MemKind | str = MemKind.DRAM) -> "Descs":
+        """Rows from parallel address/length(/device) sequences (broadcast)."""
+        a, l, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.uint64) for x in (addrs, lengths, devices)))
+        return cls(np.stack([a.ravel(), l.ravel(), d.ravel()], axis=1), kind)
+
+    @classmethod
+    def from_blocks(cls, base_addrs: Any, block_len: int, block_ids: Any, *,
+                    stride: int | None = None, device: int = 0,
+                    kind: MemKind | str = MemKind.DRAM) -> "Descs":
+        """Block descriptors ``base + id * stride`` for every base (e.g. one
+        per layer) and every block id, base-major.  Vectorised: 100,000 blocks
+        cost one numpy broadcast."""
+        bases = np.atleast_1d(np.asarray(base_addrs, dtype=np.uint64))
+        ids = np.asarray(block_ids, dtype=np.uint64).ravel()
+        step = np.uint64(block_len if stride is None else stride)
+        addrs = (bases[:, None] + ids[None, :] * step).ravel()
+        return cls.from_regions(addrs, block_len, device, kind)
+
+    @classmethod
+    def from_buffers(cls, buffers: Iterable[Any], kind: MemKind | str | None = None) -> "Descs":
+        """One row per torch tensor or numpy array (each must be contiguous).
+
+        ``kind`` defaults to the tensors' device kind; passing it explicitly
+        lets a test treat host memory as device memory.
+        """
+        buffers = list(buffers)
+        rows, kinds = [], set()
+        for buf in buffers:
+            if hasattr(buf, "data_ptr"):  # torch.Tensor
+                if not buf.is_contiguous():
+                    raise InvalidArgument("tensor must be contiguous to be registered; call .contiguous() first")
+                dev = buf.device
+                rows.append((buf.data_ptr(), buf.numel() * buf.element_size(), dev.index or 0))
+                kinds.add(MemKind.of_device(dev))
+            elif isinstance(buf, np.ndarray):
+                if not buf.flags.c_contiguous:
+                    raise InvalidArgument("numpy array must be C-contiguous to be registered")
+                rows.append((buf.ctypes.data, buf.nbytes, 0))
+                kinds.add(MemKind.DRAM)
+            else:
+                raise InvalidArgument(f"cannot register {type(buf).__name__}; pass torch tensors, numpy arrays "
+                                      "or (address, length, device) rows")
+        if kind is None:
+            if len(kinds) > 1:
+                raise InvalidArgument(f"buffers mix memory kinds {sorted(k.value for k in kinds)}; register each kind separately")
+            kind = kinds.pop() if kinds else MemKind.DRAM
+        return cls(np.array(rows, dtype=np.uint64).reshape(-1, 3), kind, buffers)
+
+    @classmethod
+    def coerce(cls, mem: Any, kind: MemKind | str | None = None) -> "Descs":
+        """Accept Descs, an (n, 3) array, a list of (addr, len, dev) tuples, or buffers."""
+        if isinstance(mem, Descs):
+            if kind is not None and MemKind(kind) is not mem.kind:
+                return cls(mem.array, kind, mem.tensors)
+            return mem
+        if hasattr(mem, "data_ptr") or (isinstance(mem, np.ndarray) and mem.dtype != np.uint64 and mem.ndim != 2):
+            return cls.from_buffers([mem], kind)
+        if isinstance(mem, np.ndarray) and mem.ndim == 2 and mem.shape[1:] == (3,):
+            return cls(mem, kind or MemKind.DRAM)
+        seq = list(mem)
+        if seq and (hasattr(seq[0], "data_ptr") or isinstance(seq[0], np.ndarray)):
+            return cls.from_buffers(seq, kind)
+        return cls(np.array(seq, dtype=np.int64).reshape(-1, 3) if seq else np.zeros((0, 3)), kind or MemKind.DRAM)
+
+    # -- views --------------------------------------------------------------
+
+    @property
+    def addrs(self) -> np.ndarray:
+        return self.array[:, 0]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.array[:, 1]
+
+    @property
+    def devices(self) -> np.ndarray:
+        return self.array[:, 2]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, idx: Any) -> "Descs":
+        return Descs(self.array[idx].reshape(-1, 3), self.kind, self.tensors)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Descs) and self.kind is other.kind and np.array_equal(self.array, other.array)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Descs(n={len(self)}, kind={self.kind.value}, nbytes={self.nbytes})"
+
+    # -- containment ----------------------------------------------------------
+
+    def locate(self, regions: "Descs") -> np.ndarray:
+        """For each row, the index of a row of ``regions`` that wholly contains
+        it (same device), or -1.  Vectorised: sort regions by start, take the
+        running maximum of their ends, binary-search each descriptor."""
+        out = np.full(len(self), -1, dtype=np.int64)
+        if not len(self) or not len(regions):
+            return out
+        for dev in np.unique(self.devices):
+            rsel = np.flatnonzero(regions.devices == dev)
+            dsel = np.flatnonzero(self.devices == dev)
+            if not rsel.size:
+                continue
+            order = rsel[np.argsort(regions.addrs[rsel], kind="stable")]
+            starts = regions.addrs[order]
+            ends = starts + regions.lengths[order]
+            best_end = np.maximum.accumulate(ends)
+            # index (into order) of the region achieving the running max end
+            arg = np.maximum.accumulate(np.where(ends == best_end, np.arange(len(ends)), 0))
+            a, n = self.addrs[dsel], self.lengths[dsel]
+            pos = np.searchsorted(starts, a, side="right") - 1
+            ok = pos >= 0
+            posc = np.where(ok, pos, 0)
+            ok &= a + n <= best_end[posc]
+            out[dsel] = np.where(ok, order[arg[posc]], -1)
+        return out
+
+    def check_within(self, regions: "Descs", what: str = "descriptors") -> np.ndarray:
+        """``locate``, raising ``InvalidDescriptor`` naming the first row outside."""
+        where = self.locate(regions)
+        bad = np.flatnonzero(where < 0)
+        if bad.size:
+            from .errors import InvalidDescriptor
+            i = int(bad[0])
+            a, n, d = (int(x) for x in self.array[i])
+            raise InvalidDescriptor(
+                f"{bad.size} of {len(self)} {what} fall outside registered {self.kind.value} memory; "
+                f"first is row {i}: address {a:#x}, length {n}, device {d}. Register the memory first "
+                "(or, for a remote list, ask the peer to register it and re-fetch its metadata)")
+        return where

@@ -1,0 +1,102 @@
+"""Wire format: the messages kvt agents exchange, as msgspec structs.
+
+Every message is a msgpack map carrying ``v`` (the wire version) and ``t``
+(its type tag).  Decoding reads the version first, so bytes from a newer or
+older kvt fail with ``VersionMismatch`` rather than a confusing field error;
+anything undecodable fails with ``WireError``.  Schema evolution: append
+fields with defaults (old readers ignore them); bump ``WIRE_VERSION`` only
+for a change old readers cannot survive.  Golden bytes live under
+``tests/golden`` so an accidental format change fails a test.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from .errors import VersionMismatch, WireError
+
+__all__ = ["WIRE_VERSION", "Message", "BlockLayout", "AgentInfo", "HandshakeRequest",
+           "HandshakeReply", "encode", "decode"]
+
+WIRE_VERSION = 1
+
+
+class Message(msgspec.Struct, frozen=True, tag_field="t", kw_only=True):
+    """Base of every wire message: a version and a type tag."""
+
+    v: int = WIRE_VERSION
+
+
+class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """How an agent's block-structured memory (e.g. a KV cache) is laid out.
+
+    Block ``b`` of region ``r`` starts at ``base_addrs[r] + b * stride`` and is
+    ``block_len`` bytes long; regions are typically one per layer (or per
+    K and V of a layer).
+    """
+
+    base_addrs: list[int]
+    block_len: int
+    num_blocks: int
+    stride: int
+    device: int = 0
+    kind: str = "DRAM"
+
+
+class AgentInfo(Message, tag="agent_info"):
+    """Everything a peer needs to reach an agent: its backend's opaque
+    metadata plus the block layouts it exposes and free-form extras (the
+    connector puts its compatibility fields there)."""
+
+    name: str
+    backend: str
+    metadata: bytes
+    layouts: dict[str, BlockLayout] = {}
+    extra: dict[str, Any] = {}
+
+
+class HandshakeRequest(Message, tag="hs_req"):
+    """Ask a peer for its ``AgentInfo`` (``want`` selects what, for extensions)."""
+
+    sender: str = ""
+    want: str = "agent_info"
+
+
+class HandshakeReply(Message, tag="hs_reply"):
+    """Answer to a ``HandshakeRequest``: a payload or an error text."""
+
+    payload: bytes = b""
+    error: str = ""
+
+
+class _Envelope(msgspec.Struct):
+    v: int
+    t: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope = msgspec.msgpack.Decoder(_Envelope)
+M = TypeVar("M", bound=Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, type: type[M]) -> M:  # noqa: A002 - mirrors msgspec's API
+    """Decode ``data`` as ``type``; typed errors for anything else."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"expected bytes, got {data.__class__.__name__}")
+    try:
+        env = _envelope.decode(data)
+    except msgspec.DecodeError as e:
+        raise WireError(f"malformed kvt message ({len(data)} bytes): {e}") from e
+    if env.v != WIRE_VERSION:
+        raise VersionMismatch(f"peer speaks kvt wire version {env.v}, this kvt speaks {WIRE_VERSION}; "
+                              "run the same kvt release on both sides")
+    try:
+        return msgspec.msgpack.decode(data, type=type)
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+        raise WireError(f"malformed {type.__name__} (tag {env.t!r}): {e}") from e

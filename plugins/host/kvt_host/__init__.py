@@ -1,0 +1,1 @@
+"""kvt's host-staging backend: the default that works on any machine."""

@@ -1,0 +1,443 @@
+"""``host``: the backend that works on any machine.
+
+Paths, chosen per transfer (see docs/backends/host.md):
+
+* **shm** — the peer is on this host and the remote rows lie in kvt shared
+  segments (``kvt.memory.empty``): we map them once and ``memcpy``.
+* **cma** — the peer is on this host, other host memory: Linux cross-memory
+  attach (``process_vm_readv/writev``), one kernel copy.
+* **tcp** — anything else (other hosts, device memory at the peer, or
+  ``transport="tcp"``): a request to the peer's server thread, which checks
+  the rows against its registrations before touching memory.
+
+Device memory (CUDA or any torch device) is staged through host mirrors.
+Each peer has one worker thread, so transfers and notifications to a peer
+run in order and a slow peer cannot stall the others.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import zmq
+from kvt import memory
+from kvt.backend import Backend
+from kvt.errors import (ConfigError, InvalidArgument, InvalidHandle, KvtError, PeerDisconnected,
+                        RemoteRejected, TransferError, TransferTimeout, UnknownPeer, WireError)
+from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
+                       XferHandle, XferState)
+from kvt.wire import decode, encode
+
+from . import memops
+from .protocol import HostMetadata, Reply, Request, host_id, rows_of, start_time
+from .server import Server
+from .staging import Mirrors
+
+_TRANSPORTS = ("auto", "cma", "tcp")
+_POLL = 0.05  # seconds between liveness checks while waiting on a peer
+
+
+@dataclass
+class _Prep:
+    peer: str | None
+    descs: Descs
+
+
+@dataclass
+class _Job:
+    op: Op
+    lrows: np.ndarray
+    lkind: MemKind
+    rrows: np.ndarray
+    rkind: MemKind
+    notif: bytes | None
+    peer: "_Peer | None"
+    state: XferState = XferState.PROC
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    future: Any = None
+
+    def finish(self, state: XferState) -> None:
+        with self.lock:  # first outcome wins (completion vs cancellation)
+            if self.state.pending:
+                self.state = state
+
+
+class _Peer:
+    """What we know of a remote agent, and the worker thread that talks to it."""
+
+    def __init__(self, md: HostMetadata, transport: str):
+        self.name, self.pool = md.name, ThreadPoolExecutor(1, thread_name_prefix=f"kvt-host->{md.name}")
+        self._sock: zmq.Socket | None = None
+        self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
+        self.update(md, transport)
+
+    def update(self, md: HostMetadata, transport: str) -> None:
+        self.md = md
+        try:
+            self.regions = {MemKind(k): Descs(rows_of(v), k) for k, v in md.regions.items()}
+            segs = rows_of(md.segments)
+        except ValueError as e:
+            raise WireError(f"bad region table in metadata of {md.name!r}: {e}") from e
+        self.same_host = (transport != "tcp" and md.host_id == host_id()
+                          and start_time(md.pid) == md.start_time)
+        self.cma_ok = self.same_host
+        if self.same_host and transport == "auto":
+            for base, size, fd in segs.tolist():
+                if base not in self._maps:
+                    try:
+                        self._maps[base] = (memops.mmap_fd(f"/proc/{md.pid}/fd/{fd}", size), size)
+                    except OSError:
+                        pass  # not allowed to map it: cma or tcp will do
+        bases = np.array(list(self._maps), np.uint64)
+        sizes = np.array([s for _, s in self._maps.values()], np.uint64)
+        self._seg_rows = Descs.from_regions(bases, sizes)
+        self._seg_local = np.array([a for a, _ in self._maps.values()], np.uint64)
+
+    def mapped(self, rows: np.ndarray) -> np.ndarray | None:
+        """Our addresses for remote ``rows`` if all lie in mapped segments."""
+        if not len(self._seg_rows):
+            return None
+        where = Descs(rows).locate(self._seg_rows)
+        if (where < 0).any():
+            return None
+        return self._seg_local[where] + (rows[:, 0] - self._seg_rows.addrs[where])
+
+    def alive(self) -> bool:
+        return not self.same_host or start_time(self.md.pid) == self.md.start_time
+
+    def socket(self) -> zmq.Socket:
+        if self._sock is None:  # created and used only on this peer's worker thread
+            self._sock = zmq.Context.instance().socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.md.endpoint)
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        for addr, size in self._maps.values():
+            memops.munmap(addr, size)
+        self._maps.clear()
+
+
+class HostBackend(Backend):
+    """Host-buffer staging over shared memory, cross-memory attach or TCP.
+
+    Options: ``timeout`` (s, default 30), ``transport`` (``auto`` | ``cma`` |
+    ``tcp``), ``listen_host`` (default 127.0.0.1), ``advertise_host``
+    (address peers dial; default ``listen_host``).
+    """
+
+    capabilities = Capabilities(mem_kinds=frozenset(MemKind), ops=frozenset(Op), notifications=True,
+                                local=True, remote=True, cross_host=True, max_notif_bytes=1 << 20)
+
+    @classmethod
+    def availability(cls) -> Availability:
+        if not sys.platform.startswith("linux"):
+            return Availability(False, f"needs Linux (/proc, memfd); this is {sys.platform}")
+        return Availability(True)
+
+    def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
+        super().__init__(agent_name, options)
+        self.transport = self.options.get("transport", "auto")
+        if self.transport not in _TRANSPORTS:
+            raise ConfigError(f"host backend option 'transport' must be one of {_TRANSPORTS}, got {self.transport!r}")
+        listen = self.options.get("listen_host", "127.0.0.1")
+        self._lock = threading.RLock()
+        self._regs: dict[int, Descs] = {}
+        self._regions: dict[MemKind, Descs] = {}
+        self._mirrors = Mirrors()
+        self._preps: dict[int, _Prep] = {}
+        self._xfers: dict[int, _Job] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._notifs: dict[str, list[bytes]] = {}
+        self._local = ThreadPoolExecutor(1, thread_name_prefix="kvt-host-local")
+        try:
+            self._server = Server(self, listen, self.options.get("advertise_host", listen))
+        except zmq.ZMQError as e:
+            raise ConfigError(f"host backend cannot listen on {listen!r}: {e}; set option 'listen_host'") from e
+
+    # -- memory ---------------------------------------------------------------
+
+    def register(self, mem: Any) -> RegHandle:
+        self._check_open()
+        descs = Descs.coerce(mem)
+        self._check_kind(descs.kind)
+        h = self._next_id()
+        with self._lock:
+            if descs.kind is not MemKind.DRAM:
+                self._mirrors.add(h, descs)
+            self._regs[h] = descs
+            self._rebuild_regions()
+        return RegHandle(h)
+
+    def deregister(self, handle: RegHandle) -> None:
+        self._check_open()
+        with self._lock:
+            if self._regs.pop(handle, None) is None:
+                raise InvalidHandle(f"no registration with handle {handle!r} (already deregistered?)")
+            self._mirrors.remove(handle)
+            self._rebuild_regions()
+
+    def _rebuild_regions(self) -> None:
+        by_kind: dict[MemKind, list[np.ndarray]] = {}
+        for d in self._regs.values():
+            by_kind.setdefault(d.kind, []).append(d.array)
+        # replaced wholesale so the server thread always sees a consistent table
+        self._regions = {k: Descs(np.concatenate(v), k) for k, v in by_kind.items()}
+
+    # -- peers ----------------------------------------------------------------
+
+    def local_metadata(self) -> bytes:
+        self._check_open()
+        regions = dict(self._regions)
+        dram = regions.get(MemKind.DRAM)
+        segs = memory.segments_of(dram) if dram is not None else np.zeros((0, 3), np.uint64)
+        pid = os.getpid()
+        return encode(HostMetadata(
+            name=self.agent_name, endpoint=self._server.endpoint, host_id=host_id(), pid=pid,
+            start_time=start_time(pid), regions={k.value: d.array.tobytes() for k, d in regions.items()},
+            segments=segs.tobytes()))
+
+    def add_remote(self, metadata: bytes) -> str:
+        self._check_open()
+        md = decode(metadata, HostMetadata)
+        if md.name == self.agent_name:
+            raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
+        with self._lock:
+            peer = self._peers.get(md.name)
+            if peer is None:
+                self._peers[md.name] = _Peer(md, self.transport)
+            else:
+                peer.pool.submit(peer.update, md, self.transport).result(timeout=self.timeout)
+        return md.name
+
+    def remove_remote(self, peer: str) -> None:
+        self._check_open()
+        with self._lock:
+            p = self._peers.pop(peer, None)
+            if p is None:
+                raise UnknownPeer(self._unknown(peer))
+            for job in self._xfers.values():
+                if job.peer is p:
+                    job.finish(XferState.err(PeerDisconnected(f"peer {peer!r} was removed")))
+        p.pool.submit(p.close)
+        p.pool.shutdown(wait=False)
+
+    def _peer(self, name: str) -> _Peer:
+        p = self._peers.get(name)
+        if p is None:
+            raise UnknownPeer(self._unknown(name))
+        return p
+
+    def _unknown(self, name: str) -> str:
+        return (f"unknown peer {name!r}; load its metadata with add_remote first "
+                f"(known: {sorted(self._peers) or 'none'})")
+
+    # -- transfers ------------------------------------------------------------
+
+    def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
+        self._check_open()
+        descs = Descs.coerce(descs)
+        self._check_kind(descs.kind)
+        empty = Descs(np.zeros((0, 3)), descs.kind)
+        if peer is None:
+            descs.check_within(self._regions.get(descs.kind, empty), "local descriptors")
+        else:
+            descs.check_within(self._peer(peer).regions.get(descs.kind, empty),
+                               f"descriptors of peer {peer!r}")
+        h = self._next_id()
+        self._preps[h] = _Prep(peer, descs)
+        return PrepHandle(h)
+
+    def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
+                 remote_idx: Any, notif: bytes | None = None) -> XferHandle:
+        self._check_open()
+        op = self._check_op(op, notif)
+        lp, rp = self._prep_of(local_prep), self._prep_of(remote_prep)
+        if lp.peer is not None:
+            raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
+        peer = None if rp.peer is None else self._peer(rp.peer)
+        lrows, rrows = self._pair(lp.descs, local_idx, rp.descs, remote_idx)
+        job = _Job(op, lrows, lp.descs.kind, rrows, rp.descs.kind, None if notif is None else bytes(notif), peer)
+        h = self._next_id()
+        self._xfers[h] = job
+        try:
+            job.future = (peer.pool if peer else self._local).submit(self._run, job)
+        except RuntimeError:  # the peer's worker was shut down by remove_remote in between
+            job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
+        return XferHandle(h)
+
+    def _prep_of(self, handle: PrepHandle) -> _Prep:
+        p = self._preps.get(handle)
+        if p is None:
+            raise InvalidHandle(f"no prepped descriptor list with handle {handle!r} (released?)")
+        return p
+
+    def check_state(self, handle: XferHandle) -> XferState:
+        self._check_open()
+        job = self._xfers.get(handle)
+        if job is None:
+            raise InvalidHandle(f"no transfer with handle {handle!r} (released?)")
+        return job.state
+
+    def release(self, handle: XferHandle | PrepHandle) -> None:
+        self._check_open()
+        if self._preps.pop(handle, None) is not None:
+            return
+        job = self._xfers.pop(handle, None)
+        if job is None:
+            raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
+        job.finish(XferState.err(TransferError("released before completion")))
+        if job.future is not None and not job.future.cancel():
+            wait([job.future], timeout=self.timeout + 1)
+
+    # -- the work, on a peer's (or the local) worker thread ----------------------
+
+    def _run(self, job: _Job) -> None:
+        if not job.state.pending:
+            return  # cancelled or peer removed before we started
+        try:
+            self._move(job)
+            if job.notif is not None:
+                self._send_notif(job.peer, job.notif)
+            job.finish(XferState.DONE)
+        except TransferError as e:
+            job.finish(XferState.err(e))
+        except (KvtError, OSError, BufferError, ValueError, zmq.ZMQError) as e:
+            job.finish(XferState.err(TransferError(f"{job.op.value} failed: {e}")))
+
+    def _move(self, job: _Job) -> None:
+        read = job.op is Op.READ
+        local = self._host_rows(job.lrows, job.lkind)
+        if not read and job.lkind is not MemKind.DRAM:
+            self._mirrors.to_host(job.lrows)
+        peer = job.peer
+        if peer is None:  # both sides are ours
+            remote = self._host_rows(job.rrows, job.rkind)
+            if read and job.rkind is not MemKind.DRAM:
+                self._mirrors.to_host(job.rrows)
+            src, dst = (remote, local) if read else (local, remote)
+            memops.memcopy(dst[:, 0], src[:, 0], src[:, 1])
+            if not read and job.rkind is not MemKind.DRAM:
+                self._mirrors.to_device(job.rrows)
+        elif job.rkind is MemKind.DRAM and peer.same_host and self._move_same_host(job, peer, local):
+            pass
+        else:
+            self._move_tcp(job, peer, local)
+        if read and job.lkind is not MemKind.DRAM:
+            self._mirrors.to_device(job.lrows)
+
+    def _host_rows(self, rows: np.ndarray, kind: MemKind) -> np.ndarray:
+        """``(k, 2)`` (address, length) rows in host memory (mirrors for device memory)."""
+        out = rows[:, :2].copy()
+        if kind is not MemKind.DRAM:
+            out[:, 0] = self._mirrors.translate(rows)[0]
+        return out
+
+    def _move_same_host(self, job: _Job, peer: _Peer, local: np.ndarray) -> bool:
+        """shm or cma; False if neither is possible (then tcp)."""
+        read = job.op is Op.READ
+        mapped = peer.mapped(job.rrows)
+        try:
+            if mapped is not None:
+                src, dst = (mapped, local[:, 0]) if read else (local[:, 0], mapped)
+                memops.memcopy(dst, src, local[:, 1])
+            elif peer.cma_ok:
+                memops.cma(not read, peer.md.pid, local, job.rrows[:, :2])
+            else:
+                return False
+        except OSError as e:
+            if e.errno in (errno.EPERM, errno.ENOSYS):
+                peer.cma_ok = False  # the kernel forbids it here; tcp from now on
+                return False
+            if e.errno == errno.ESRCH or not peer.alive():
+                raise PeerDisconnected(f"peer {peer.name!r} (pid {peer.md.pid}) died during {job.op.value}") from e
+            raise RemoteRejected(f"peer {peer.name!r} memory not accessible: {e}; did it deregister?") from e
+        if not peer.alive():  # a dead peer's pages stay mapped; its data no longer counts
+            raise PeerDisconnected(f"peer {peer.name!r} (pid {peer.md.pid}) died during {job.op.value}")
+        return True
+
+    def _move_tcp(self, job: _Job, peer: _Peer, local: np.ndarray) -> None:
+        read = job.op is Op.READ
+        payload = None if read else memops.gather(local)
+        frames = self._request(peer, Request(id=self._next_id(), sender=self.agent_name, op=job.op.value,
+                                             kind=job.rkind.value, rows=job.rrows.tobytes()), payload, job)
+        if read:
+            if len(frames) != 2:
+                raise TransferError(f"peer {peer.name!r} answered a READ without data")
+            memops.scatter(local, frames[1].buffer)
+
+    def _request(self, peer: _Peer, req: Request, payload, job: _Job) -> list:
+        sock = peer.socket()
+        sock.send_multipart([encode(req)] + ([payload] if payload is not None else []), copy=False)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"peer {peer.name!r} did not answer {req.op} within {self.timeout:g}s")
+            if sock.poll(int(min(left, _POLL) * 1000) + 1):
+                frames = sock.recv_multipart(copy=False)
+                rep = decode(frames[0].bytes, Reply)
+                if rep.id != req.id:
+                    continue  # a late answer to a request that already timed out
+                if rep.error:
+                    cls = RemoteRejected if rep.code == "out_of_region" else TransferError
+                    raise cls(f"peer {peer.name!r} refused {req.op}: {rep.error}")
+                return frames
+            if not peer.alive():
+                raise PeerDisconnected(f"peer {peer.name!r} (pid {peer.md.pid}) died during {req.op}")
+            if not job.state.pending:
+                raise TransferError("cancelled")  # released, removed or closed meanwhile
+
+    # -- notifications --------------------------------------------------------
+
+    def notify(self, peer: str, msg: bytes) -> None:
+        self._check_open()
+        self._check_notif(msg)
+        p = self._peer(peer)
+        p.pool.submit(self._send_notif, p, bytes(msg))
+
+    def _send_notif(self, peer: _Peer | None, msg: bytes) -> None:
+        if peer is None:
+            self._deliver(self.agent_name, msg)
+        else:
+            peer.socket().send(encode(Request(id=0, sender=self.agent_name, op="NOTIF", msg=msg)))
+
+    def _deliver(self, sender: str, msg: bytes) -> None:
+        with self._lock:
+            self._notifs.setdefault(sender, []).append(msg)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        self._check_open()
+        with self._lock:
+            out, self._notifs = self._notifs, {}
+        return out
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for job in self._xfers.values():
+            job.finish(XferState.err(TransferError("backend closed")))
+        for p in self._peers.values():
+            p.pool.submit(p.close)
+            p.pool.shutdown(wait=True)  # queued jobs are already ERR and return at once
+        self._local.shutdown(wait=True)
+        self._server.close()
+        self._peers.clear()
+        self._xfers.clear()
+        self._preps.clear()
+        self._regs.clear()
+        self._regions = {}
+        self._mirrors = Mirrors()

@@ -1,0 +1,163 @@
+"""Configuration: precedence of arguments > environment > TOML file > defaults,
+per-backend option tables, and errors that name the field and its source."""
+
+import re
+
+import pytest
+
+from kvt import ConfigError
+from kvt.config import Config, load_config
+
+FILE = """\
+backend = "fromfile"
+name = "prefill-0"
+listen_port = 7000
+transfer_timeout = 12
+options = { shared = "file", layer = "options" }
+
+[backends.fromfile]
+layer = "backends.fromfile"
+only_fromfile = true
+
+[backends.fromenv]
+layer = "backends.fromenv"
+"""
+
+
+def _re(path):
+    return re.escape(str(path))
+
+
+@pytest.fixture
+def toml(tmp_path):
+    """Write a TOML file, return its path."""
+    def write(text=FILE, name="kvt.toml"):
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+    return write
+
+
+def test_defaults():
+    c = load_config(env={})
+    assert c == Config(backend="host", options={"timeout": 30.0}, name=None, listen_host="127.0.0.1",
+                       listen_port=0, handshake_timeout=5.0, transfer_timeout=30.0)
+
+
+def test_file_from_kvt_config(toml):
+    c = load_config(env={"KVT_CONFIG": str(toml())})
+    assert (c.backend, c.name, c.listen_port, c.transfer_timeout) == ("fromfile", "prefill-0", 7000, 12.0)
+    # file [options] < [backends.<chosen>]; timeout seeded from transfer_timeout
+    assert c.options == {"shared": "file", "layer": "backends.fromfile", "only_fromfile": True, "timeout": 12.0}
+
+
+def test_env_backend_beats_file_and_picks_its_table(toml):
+    c = load_config(env={"KVT_CONFIG": str(toml()), "KVT_BACKEND": "fromenv"})
+    assert c.backend == "fromenv"
+    assert c.options == {"shared": "file", "layer": "backends.fromenv", "timeout": 12.0}
+
+
+def test_explicit_arguments_beat_environment_and_file(toml):
+    c = load_config("explicit", {"layer": "explicit", "timeout": 2}, env={"KVT_CONFIG": str(toml()),
+                    "KVT_BACKEND": "fromenv"}, listen_port=7001, name=None)
+    assert (c.backend, c.listen_port, c.name) == ("explicit", 7001, "prefill-0")  # name=None: not given
+    assert c.options == {"shared": "file", "layer": "explicit", "timeout": 2}
+
+
+def test_explicit_options_merge_over_the_chosen_backend_table(toml):
+    c = load_config(options={"layer": "explicit"}, env={"KVT_CONFIG": str(toml())})
+    assert c.options == {"shared": "file", "layer": "explicit", "only_fromfile": True, "timeout": 12.0}
+
+
+def test_explicit_path_beats_kvt_config(toml):
+    other = toml('backend = "other"\n', name="other.toml")
+    c = load_config(path=other, env={"KVT_CONFIG": str(toml())})
+    assert c.backend == "other" and c.listen_port == 0
+
+
+def test_empty_environment_variables_count_as_unset():
+    assert load_config(env={"KVT_BACKEND": "", "KVT_CONFIG": ""}).backend == "host"
+
+
+def test_direct_construction_seeds_timeout_option():
+    assert Config(transfer_timeout=4).options == {"timeout": 4.0}
+    assert Config(options={"timeout": 1.5}).options == {"timeout": 1.5}
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("listen_port", 70000, "Expected `int` <= 65535"),
+    ("listen_port", -1, "Expected `int` >= 0"),
+    ("listen_port", '"80"', "Expected `int`, got `str`"),
+    ("listen_port", "true", "Expected `int`, got `bool`"),
+    ("handshake_timeout", 0, "Expected `float` > 0.0"),
+    ("transfer_timeout", -1.5, "Expected `float` > 0.0"),
+    ("backend", '""', "Expected `str` of length >= 1"),
+    ("name", 5, "Expected `str | null`, got `int`"),
+    ("listen_host", "[]", "Expected `str`, got `array`"),
+    ("options", "3", "Expected `object`, got `int`"),
+])
+def test_bad_file_value_names_field_and_file(toml, field, value, why):
+    path = toml(f"{field} = {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"KVT_CONFIG": str(path)})
+    msg = str(e.value)
+    assert f"invalid {field} = " in msg and f"from {path} (from KVT_CONFIG)" in msg and why in msg
+    assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"listen_port": 65536}, "listen_port"),
+    ({"handshake_timeout": "5"}, "handshake_timeout"),
+    ({"transfer_timeout": 0}, "transfer_timeout"),
+    ({"backend": ""}, "backend"),
+    ({"name": ""}, "name"),
+])
+def test_bad_argument_names_field(kwargs, field):
+    with pytest.raises(ConfigError, match=rf"invalid {field} = .* from load_config\(\) arguments"):
+        load_config(env={}, **kwargs)
+
+
+def test_bad_timeout_option_names_it_and_its_table(toml):
+    path = toml('[backends.host]\ntimeout = 0\n')
+    with pytest.raises(ConfigError, match=rf"{_re(path)} \[backends.host\]: options.timeout must be a positive"):
+        load_config(path=path, env={})
+    with pytest.raises(ConfigError, match=r"load_config\(options=...\): options.timeout must be a positive"):
+        load_config(options={"timeout": "soon"}, env={})
+
+
+def test_bad_environment_backend_names_the_variable():
+    with pytest.raises(ConfigError, match="invalid backend = .* from environment variable KVT_BACKEND"):
+        load_config(env={"KVT_BACKEND": 7})  # only a non-string reaches this; os.environ holds str
+
+
+def test_unknown_file_key_is_named_with_a_suggestion(toml):
+    path = toml("listen_prot = 1\n")
+    with pytest.raises(ConfigError, match=rf"unknown configuration key 'listen_prot' in {_re(path)} "
+                                          r"\(did you mean 'listen_port'\?\)"):
+        load_config(path=path, env={})
+
+
+def test_unknown_argument_is_named():
+    with pytest.raises(ConfigError, match="unknown configuration key 'bogus' in load_config"):
+        load_config(env={}, bogus=1)
+
+
+@pytest.mark.parametrize("text, what", [
+    ("backends = 3\n", "'backends' in .* must be a table of per-backend option tables"),
+    ("[backends]\nhost = 1\n", "'backends.host' in .* must be a table of options"),
+])
+def test_malformed_backend_tables(toml, text, what):
+    with pytest.raises(ConfigError, match=what):
+        load_config(path=toml(text), env={})
+
+
+def test_invalid_toml_names_the_file(toml):
+    path = toml("backend = \n")
+    with pytest.raises(ConfigError, match=rf"file {_re(path)} \(from KVT_CONFIG\) is not valid TOML"):
+        load_config(env={"KVT_CONFIG": str(path)})
+
+
+def test_missing_file_names_the_file(tmp_path):
+    path = tmp_path / "absent.toml"
+    with pytest.raises(ConfigError, match=rf"cannot read config file {_re(path)} \(from KVT_CONFIG\): No such"):
+        load_config(env={"KVT_CONFIG": str(path)})

@@ -1,0 +1,237 @@
+"""The host backend across two real processes, over each of its paths."""
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from kvt import Agent, Descs, Op
+from kvt.errors import (ClosedError, InvalidArgument, InvalidDescriptor, InvalidHandle, KvtError,
+                        PeerDisconnected, TransferError, UnknownPeer)
+from kvt.wire import decode, encode
+from kvt_host.protocol import Reply, Request
+
+from peer import BLOCK, NUM_BLOCKS, pattern, peer_process
+
+# (peer memory in shared segments?, our transport option) -> path taken
+PATHS = {"shm": (True, "auto"), "cma": (False, "auto"), "tcp": (True, "tcp")}
+
+
+@pytest.fixture(params=sorted(PATHS))
+def pair(request):
+    shared, transport = PATHS[request.param]
+    with peer_process(shared=shared) as peer:
+        with Agent(name="me", backend="host", options={"transport": transport, "timeout": 5}) as me:
+            local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8)
+            me.register_blocks("kv", [local])
+            name = me.connect(peer.endpoint, timeout=10)
+            yield me, name, local, peer
+
+
+def test_read_scatter_gather_blocks(pair):
+    me, name, local, _ = pair
+    remote_ids, local_ids = [5, 0, 63, 7, 8, 9], [1, 2, 3, 40, 41, 42]
+    with me.read_blocks(name, local_ids, remote_ids) as x:
+        x.wait(10)
+    assert np.array_equal(local[local_ids], pattern()[remote_ids])
+    untouched = np.setdiff1d(np.arange(NUM_BLOCKS), local_ids)
+    assert not local[untouched].any()
+
+
+def test_write_with_notif_arrives_after_data(pair):
+    me, name, local, peer = pair
+    local[:] = pattern(salt=99)
+    with me.write_blocks(name, [3, 4, 5], [10, 20, 30], notif=b"req-1 done") as x:
+        x.wait(10)
+    sender, msg, seen = peer.await_notif()
+    assert (sender, msg) == ("me", b"req-1 done")
+    want = pattern()
+    want[[10, 20, 30]] = pattern(salt=99)[[3, 4, 5]]
+    assert np.array_equal(seen, want)  # data was in place when the notification was seen
+
+
+def test_notifications_arrive_in_order(pair):
+    me, name, _, peer = pair
+    for i in range(50):
+        me.notify(name, b"n%d" % i)
+    deadline = time.monotonic() + 10
+    got = []
+    while len(got) < 50 and time.monotonic() < deadline:
+        got += peer.notifs().get("me", [])
+    assert got == [b"n%d" % i for i in range(50)]
+
+
+def test_peer_asking_for_unregistered_memory_is_refused_and_peer_keeps_serving(pair):
+    me, name, local, peer = pair
+    endpoint = me.backend._peers[name].md.endpoint
+    layout = me.peer_info(name).layouts["kv"]
+    beyond = layout.base_addrs[0] + NUM_BLOCKS * BLOCK  # just past what it registered
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        for op, extra in (("READ", []), ("WRITE", [b"\xff" * 4096])):
+            rows = np.array([[beyond, 4096, 0]], np.uint64).tobytes()
+            sock.send_multipart([encode(Request(id=7, sender="mallory", op=op, rows=rows))] + extra)
+            assert sock.poll(10_000)
+            frames = sock.recv_multipart()
+            reply = decode(frames[0], Reply)
+            assert reply.code == "out_of_region" and len(frames) == 1  # nothing read
+    finally:
+        sock.close()
+    assert np.array_equal(peer.contents(), pattern())  # nothing written
+    with me.read_blocks(name, [0], [1]) as x:  # and it still serves
+        x.wait(10)
+    assert np.array_equal(local[0], pattern()[1])
+
+
+def test_staged_device_memory_on_both_sides():
+    """Memory registered as another torch device kind goes through host
+    mirrors with torch copies (CPU tensors stand in for the device here)."""
+    torch = pytest.importorskip("torch")
+    with peer_process(kind="DEVICE") as peer, Agent(name="me", options={"timeout": 5}) as me:
+        local = torch.zeros((NUM_BLOCKS, BLOCK), dtype=torch.uint8)
+        me.register_blocks("kv", [local], kind="DEVICE")
+        name = me.connect(peer.endpoint, timeout=10)
+        with me.read_blocks(name, [0, 1, 9], [9, 8, 7]) as x:
+            x.wait(10)
+        assert np.array_equal(local.numpy()[[0, 1, 9]], pattern()[[9, 8, 7]])
+        local[5] = 42
+        with me.write_blocks(name, [5], [63]) as x:
+            x.wait(10)
+        assert (peer.contents()[63] == 42).all()
+
+
+def test_dead_peer_turns_transfers_to_err_and_agent_serves_others():
+    with peer_process("p1") as p1, peer_process("p2") as p2, Agent(name="me", options={"timeout": 3}) as me:
+        local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8)
+        me.register_blocks("kv", [local])
+        n1, n2 = me.connect(p1.endpoint, timeout=10), me.connect(p2.endpoint, timeout=10)
+        p1.kill()
+        for op in (me.read_blocks, me.write_blocks):
+            t = time.monotonic()
+            x = op(n1, [0], [0])
+            with pytest.raises(PeerDisconnected):
+                x.wait(10)
+            assert time.monotonic() - t < 10
+            x.release()
+        with me.read_blocks(n2, [0], [2]) as x:
+            x.wait(10)
+        assert np.array_equal(local[0], pattern()[2])
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_dead_peer_over_tcp_or_shm_never_hangs(transport):
+    with peer_process("p1") as p1, Agent(name="me", options={"timeout": 2, "transport": transport}) as me:
+        me.register_blocks("kv", [np.zeros((NUM_BLOCKS, BLOCK), np.uint8)])
+        n1 = me.connect(p1.endpoint, timeout=10)
+        p1.kill()
+        x = me.read_blocks(n1, list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)))
+        with pytest.raises(TransferError):
+            x.wait(8)
+
+
+# -- bad input, checked before any byte moves (one process, two agents) -----
+
+@pytest.fixture
+def two():
+    with Agent(name="a", options={"timeout": 5}) as a, Agent(name="b", options={"timeout": 5}) as b:
+        abuf, bbuf = np.zeros((8, 256), np.uint8), np.arange(8 * 256, dtype=np.uint8).reshape(8, 256)
+        a.register_blocks("kv", [abuf])
+        b.register_blocks("kv", [bbuf])
+        a.add_peer(b.info())
+        yield a, b, abuf, bbuf
+
+
+def test_remote_descriptors_outside_registered_memory(two):
+    a, b, abuf, bbuf = two
+    with pytest.raises(InvalidDescriptor, match="peer 'b'"):
+        a.backend.prep("b", Descs.from_regions([bbuf.ctypes.data + bbuf.nbytes - 10], [20]))
+    assert not abuf.any()
+
+
+def test_local_descriptors_outside_registered_memory(two):
+    a, *_ = two
+    other = np.zeros(64, np.uint8)
+    with pytest.raises(InvalidDescriptor, match="local descriptors"):
+        a.backend.prep(None, Descs.from_buffers([other]))
+
+
+def test_unknown_peer(two):
+    a, *_ = two
+    with pytest.raises(UnknownPeer, match="nobody"):
+        a.backend.prep("nobody", Descs.from_regions([0], [0]))
+    with pytest.raises(UnknownPeer):
+        a.notify("nobody", b"x")
+    with pytest.raises(UnknownPeer):
+        a.backend.remove_remote("nobody")
+    with pytest.raises(LookupError):  # also the builtin
+        a.read_blocks("nobody", [0], [0])
+
+
+def test_released_handles(two):
+    a, *_ = two
+    x = a.read_blocks("b", [0], [1])
+    x.wait(5)
+    a.backend.release(x.handle)
+    with pytest.raises(InvalidHandle):
+        a.backend.check_state(x.handle)
+    with pytest.raises(InvalidHandle):
+        a.backend.release(x.handle)
+    with pytest.raises(InvalidHandle):
+        a.backend.transfer(Op.READ, 12345, None, 12346, None)
+
+
+def test_mismatched_pairs_and_bad_indices(two):
+    a, b, abuf, _ = two
+    be = a.backend
+    lp = be.prep(None, Descs.from_blocks(abuf.ctypes.data, 256, range(8)))
+    rp = be.prep("b", Descs.from_blocks(b.layouts["kv"].base_addrs[0], 128, range(8)))
+    with pytest.raises(InvalidArgument, match="differ in length"):
+        be.transfer(Op.READ, lp, [0], rp, [0])
+    with pytest.raises(InvalidArgument, match="paired"):
+        be.transfer(Op.READ, lp, [0, 1], lp, [0])
+    with pytest.raises(InvalidArgument, match="out of range"):
+        a.read_blocks("b", [8], [0])
+    with pytest.raises(InvalidArgument, match="op must be"):
+        be.transfer("COPY", lp, [0], lp, [1])
+    with pytest.raises(InvalidArgument, match="local_prep"):
+        be.transfer(Op.READ, rp, [0], lp, [0])
+    assert not abuf.any()
+
+
+def test_local_transfer_and_self_notification(two):
+    a, _, abuf, _ = two
+    be = a.backend
+    abuf[0] = 5
+    lp = be.prep(None, Descs.from_blocks(abuf.ctypes.data, 256, range(8)))
+    h = be.transfer(Op.WRITE, lp, [0], lp, [3], notif=b"self")
+    deadline = time.monotonic() + 5
+    while be.check_state(h).pending and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert be.check_state(h).done and (abuf[3] == 5).all()
+    assert be.get_notifs() == {"a": [b"self"]}
+
+
+def test_oversized_notification_is_rejected(two):
+    a, *_ = two
+    with pytest.raises(InvalidArgument, match="exceeds"):
+        a.notify("b", b"x" * (a.backend.capabilities.max_notif_bytes + 1))
+
+
+def test_close_is_idempotent_and_final():
+    a = Agent(name="a")
+    a.close()
+    a.close()
+    with pytest.raises(ClosedError):
+        a.register(np.zeros(4, np.uint8))
+    with pytest.raises(ClosedError):
+        a.backend.get_notifs()
+
+
+def test_only_kvt_errors_escape_for_garbage_metadata(two):
+    a, *_ = two
+    for junk in (b"", b"\x00" * 10, encode(Request(id=1, sender="x", op="READ"))):
+        with pytest.raises(KvtError):
+            a.backend.add_remote(junk)

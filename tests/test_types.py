@@ -1,0 +1,81 @@
+import numpy as np
+import pytest
+
+from kvt import Descs, MemKind, XferState
+from kvt.errors import InvalidArgument, InvalidDescriptor, TransferError
+from kvt.types import Status, as_index
+
+
+def test_from_blocks_is_base_major_and_exact():
+    d = Descs.from_blocks([1000, 5000], 16, [0, 3], stride=32)
+    assert d.array.tolist() == [[1000, 16, 0], [1096, 16, 0], [5000, 16, 0], [5096, 16, 0]]
+
+
+def test_from_blocks_100k_blocks_matches_formula():
+    ids = np.random.default_rng(0).permutation(100_000)
+    d = Descs.from_blocks(1 << 40, 4096, ids)
+    assert len(d) == 100_000
+    assert np.array_equal(d.addrs, (1 << 40) + ids.astype(np.uint64) * 4096)
+    assert (d.lengths == 4096).all()
+
+
+def test_descs_are_immutable():
+    d = Descs.from_regions([1], [2])
+    with pytest.raises(ValueError):
+        d.array[0, 0] = 5
+
+
+@pytest.mark.parametrize("bad", [np.zeros((3, 2)), np.zeros((2, 3), np.float32), [[-1, 2, 0]]])
+def test_bad_descriptor_arrays_are_rejected(bad):
+    with pytest.raises(InvalidArgument):
+        Descs(np.asarray(bad))
+
+
+def test_unknown_kind_is_rejected():
+    with pytest.raises(InvalidArgument, match="memory kind"):
+        Descs(np.zeros((1, 3), np.uint64), "HBM")
+
+
+def test_locate_handles_overlap_nesting_and_devices():
+    regions = Descs.from_regions([100, 1000, 150, 100], [100, 50, 200, 10], [0, 0, 0, 1])
+    d = Descs.from_regions([100, 120, 340, 1000, 1049, 99, 345, 100, 105],
+                           [10, 80, 10, 50, 2, 1, 5, 0, 10], [0, 0, 0, 0, 0, 0, 0, 0, 1])
+    where = d.locate(regions)
+    assert where.tolist()[:8] == [0, 0, 2, 1, -1, -1, 2, 0]
+    assert where[8] == -1  # device 1 region [100, 110) does not hold [105, 115)
+    for i, w in enumerate(where):  # every hit really contains its row
+        if w >= 0:
+            a, n, dev = d.array[i]
+            ra, rn, rdev = regions.array[w]
+            assert ra <= a and a + n <= ra + rn and dev == rdev
+
+
+def test_check_within_names_the_first_bad_row():
+    regions = Descs.from_regions([0], [100])
+    with pytest.raises(InvalidDescriptor, match="row 1"):
+        Descs.from_regions([0, 90], [10, 20]).check_within(regions)
+
+
+def test_from_buffers_takes_kind_from_tensor_device():
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(4, 8)
+    d = Descs.from_buffers([t])
+    assert d.kind is MemKind.DRAM and d.array.tolist() == [[t.data_ptr(), 128, 0]]
+    assert Descs.from_buffers([t], kind="DEVICE").kind is MemKind.DEVICE
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        Descs.from_buffers([t.t()])
+
+
+def test_as_index_bounds():
+    assert as_index(None, 3).tolist() == [0, 1, 2]
+    with pytest.raises(InvalidArgument, match="out of range"):
+        as_index([0, 3], 3)
+    with pytest.raises(InvalidArgument):
+        as_index([0.5], 3)
+
+
+def test_xfer_state_err_carries_cause():
+    cause = TransferError("boom")
+    s = XferState.err(cause)
+    assert s.failed and s.cause is cause and s.status is Status.ERR
+    assert XferState.DONE.done and XferState.PROC.pending
