@@ -1,6 +1,7 @@
 """The ZMQ side channel through which agents fetch each other's metadata.
 
-A ``HandshakeServer`` runs one daemon thread with a ROUTER socket and answers
+A ``HandshakeServer`` runs one daemon thread with a ROUTER socket (a
+``RouterServer``, which backends reuse for their own servers) and answers
 each request with ``provider(request_bytes)``; ``request`` is the client side
 (a REQ socket used once, with send/receive timeouts).  The server binds to
 127.0.0.1 unless told otherwise: metadata carries raw addresses, so exposing
@@ -17,19 +18,26 @@ import zmq
 
 from .errors import HandshakeError, HandshakeTimeout, InvalidArgument
 
-__all__ = ["HandshakeServer", "request"]
+__all__ = ["RouterServer", "HandshakeServer", "request"]
 
 log = logging.getLogger(__name__)
 _POLL_MS = 100  # how often the server thread checks for close()
 
 
-class HandshakeServer:
-    """Serve ``provider(request) -> reply`` on ``tcp://host:port`` (port 0 = any)."""
+class RouterServer:
+    """A daemon thread answering multipart messages on a ZMQ ROUTER socket.
 
-    def __init__(self, provider: Callable[[bytes], bytes], host: str = "127.0.0.1", port: int = 0):
-        self._provider = provider
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+    ``handle(frames)`` gets the frames after the sender's identity and
+    returns the reply frames, or ``None`` for no reply.  It must not raise;
+    an exception is logged and the message dropped, and serving goes on.
+    ``copy=False`` hands ``zmq.Frame`` objects (zero-copy) to ``handle``.
+    Bound to ``host`` (port 0 = any free port); ``endpoint`` says where.
+    """
+
+    def __init__(self, handle: Callable[[list], list | None], host: str = "127.0.0.1", port: int = 0,
+                 *, name: str = "kvt-router", copy: bool = True):
+        self._handle, self._copy = handle, copy
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
             if port:
@@ -42,9 +50,9 @@ class HandshakeServer:
                                  "listen_host/listen_port") from e
         self.endpoint = f"tcp://{host}:{port}"
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"kvt-handshake:{port}", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"{name}:{port}", daemon=True)
 
-    def start(self) -> "HandshakeServer":
+    def start(self):
         self._thread.start()
         return self
 
@@ -54,16 +62,17 @@ class HandshakeServer:
             while not self._stop.is_set():
                 if not sock.poll(_POLL_MS):
                     continue
-                ident, empty, body = sock.recv_multipart()
+                ident, *frames = sock.recv_multipart(copy=self._copy)
                 try:
-                    reply = self._provider(body)
-                except Exception:  # one bad request must not stop the server
-                    log.exception("handshake provider failed")
-                    reply = b""
-                sock.send_multipart([ident, empty, reply])
+                    reply = self._handle(frames)
+                except Exception:  # one bad message must not stop the server
+                    log.exception("%s: handler failed", self._thread.name)
+                    continue
+                if reply is not None:
+                    sock.send_multipart([ident, *reply], copy=self._copy)
         except zmq.ZMQError as e:
             if not self._stop.is_set():
-                log.error("handshake server %s stopped: %s", self.endpoint, e)
+                log.error("%s stopped: %s", self._thread.name, e)
         finally:
             sock.close()
 
@@ -80,6 +89,22 @@ class HandshakeServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class HandshakeServer(RouterServer):
+    """Serve ``provider(request) -> reply`` to ``request()`` clients.  A
+    provider that raises answers with empty bytes and the server goes on."""
+
+    def __init__(self, provider: Callable[[bytes], bytes], host: str = "127.0.0.1", port: int = 0):
+        def answer(frames: list) -> list:  # a REQ client sends [b"", body]
+            try:
+                reply = provider(frames[-1])
+            except Exception:
+                log.exception("handshake provider failed")
+                reply = b""
+            return [*frames[:-1], reply]
+
+        super().__init__(answer, host, port, name="kvt-handshake")
 
 
 def request(endpoint: str, payload: bytes, timeout: float) -> bytes:

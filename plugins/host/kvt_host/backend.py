@@ -30,7 +30,7 @@ import numpy as np
 import zmq
 from kvt import memory
 from kvt.backend import Backend
-from kvt.errors import (ConfigError, InvalidArgument, InvalidHandle, KvtError, PeerDisconnected,
+from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, InvalidHandle, KvtError, PeerDisconnected,
                         RemoteRejected, TransferError, TransferTimeout, UnknownPeer, WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState)
@@ -162,8 +162,8 @@ class HostBackend(Backend):
         self._local = ThreadPoolExecutor(1, thread_name_prefix="kvt-host-local")
         try:
             self._server = Server(self, listen, self.options.get("advertise_host", listen))
-        except zmq.ZMQError as e:
-            raise ConfigError(f"host backend cannot listen on {listen!r}: {e}; set option 'listen_host'") from e
+        except HandshakeError as e:  # RouterServer's bind failure
+            raise ConfigError(f"host backend: {e}; set option 'listen_host'") from e
 
     # -- memory ---------------------------------------------------------------
 

@@ -9,10 +9,9 @@ registered (checked before any byte moves); anything else is refused with an
 from __future__ import annotations
 
 import logging
-import threading
 
-import zmq
 from kvt.errors import KvtError
+from kvt.handshake import RouterServer
 from kvt.types import Descs, MemKind
 from kvt.wire import decode, encode
 
@@ -20,39 +19,13 @@ from .memops import gather, scatter
 from .protocol import Reply, Request, rows_of
 
 log = logging.getLogger(__name__)
-_POLL_MS = 100
 
-
-class Server:
+class Server(RouterServer):
     def __init__(self, backend, host: str, advertise: str):
         self._b = backend
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{advertise}:{port}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"kvt-host-server:{port}", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-    def _serve(self) -> None:
-        sock = self._sock
-        try:
-            while not self._stop.is_set():
-                if not sock.poll(_POLL_MS):
-                    continue
-                ident, *frames = sock.recv_multipart(copy=False)
-                reply = self._handle(frames)
-                if reply is not None:
-                    sock.send_multipart([ident, *reply], copy=False)
-        except zmq.ZMQError as e:
-            if not self._stop.is_set():
-                log.error("host backend server stopped: %s", e)
-        finally:
-            sock.close()
+        super().__init__(self._handle, host, name="kvt-host-server", copy=False)
+        self.endpoint = self.endpoint.replace(f"//{host}:", f"//{advertise}:", 1)
+        self.start()
 
     def _handle(self, frames) -> list | None:
         try:

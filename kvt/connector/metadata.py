@@ -1,0 +1,150 @@
+"""Messages of the connector, as msgspec structs.
+
+* ``TransferParams`` — a request's ``kv_transfer_params``: what the prefill
+  engine returns with a finished request and the decode engine receives with
+  the new one (through the router, usually as JSON).  Field names follow
+  vLLM's NixlConnector so routers written for it work unchanged; kvt adds
+  ``remote_endpoints``, ``expires_at`` and ``kvt_version``.
+* ``ConnectorMetadata`` — what the scheduler side hands its workers each step.
+* ``ReadNotif`` — what a decode rank tells a prefill rank when it is done
+  with a request's blocks (attached to the read, or alone).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import msgspec
+
+from ..errors import InvalidArgument, WireError
+
+__all__ = ["CONNECTOR_VERSION", "TransferParams", "RemoteSource", "RecvRequest",
+           "ConnectorMetadata", "ReadNotif"]
+
+#: bump when prefill and decode sides of different versions cannot pair
+CONNECTOR_VERSION = 1
+
+
+class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A request's ``kv_transfer_params``.
+
+    To the prefill engine: ``{"do_remote_decode": true}``.  Back from it (and
+    on to the decode engine): ``do_remote_prefill`` plus where to read from.
+    ``expires_at`` is wall-clock time (``time.time()``) at which the prefill
+    side frees the blocks; it assumes the two hosts' clocks agree (NTP) to
+    well within ``expiry_margin``.
+    """
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_block_ids: list[int] = []
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int = 1
+    remote_endpoints: list[str] = []
+    expires_at: float | None = None
+    kvt_version: int = CONNECTOR_VERSION
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any] | None) -> "TransferParams | None":
+        """``None`` for no params; ``InvalidArgument`` for malformed ones.
+        Unknown keys (a router's own) are ignored."""
+        if not params:
+            return None
+        try:
+            return msgspec.convert(dict(params), cls, strict=False)
+        except msgspec.ValidationError as e:
+            raise InvalidArgument(f"malformed kv_transfer_params: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    def endpoints(self) -> list[str]:
+        """Per-rank handshake endpoints of the prefill engine."""
+        if self.remote_endpoints:
+            return list(self.remote_endpoints)
+        if self.remote_host and self.remote_port:
+            return [f"tcp://{self.remote_host}:{self.remote_port + r}" for r in range(self.tp_size)]
+        return []
+
+    def source_problem(self) -> str | None:
+        """Why these params cannot be read from, or None."""
+        if self.kvt_version != CONNECTOR_VERSION:
+            return (f"kv_transfer_params come from kvt connector version {self.kvt_version}, this is "
+                    f"{CONNECTOR_VERSION}; run the same kvt release on prefill and decode")
+        if not self.remote_engine_id or not self.remote_request_id:
+            return "kv_transfer_params lack remote_engine_id or remote_request_id"
+        if len(self.endpoints()) != self.tp_size:
+            return (f"kv_transfer_params give {len(self.endpoints())} endpoints for tp_size {self.tp_size}; "
+                    "pass remote_endpoints (one per prefill rank) or remote_host and remote_port")
+        return None
+
+
+class RemoteSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a decode request's blocks live on the prefill engine."""
+
+    engine_id: str
+    request_id: str
+    block_ids: list[int]   #: paired one to one with the local block ids
+    endpoints: list[str]   #: handshake endpoint of each prefill rank
+    tp_size: int
+    expires_at: float | None = None
+
+
+class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A read to start.  No local blocks: only tell the prefill side it may
+    free (full prefix hit, or the request was aborted before it was scheduled)."""
+
+    local_block_ids: list[int]
+    remote: RemoteSource
+
+
+class ConnectorMetadata(msgspec.Struct, kw_only=True):
+    """Scheduler -> workers, once per engine step."""
+
+    reqs_to_recv: dict[str, RecvRequest] = {}
+    #: prefill side with host staging: blocks to copy device -> host this step
+    reqs_to_save: dict[str, list[int]] = {}
+    #: prefill side: requests whose blocks are held for readers, until ``expires_at``
+    reqs_to_send: dict[str, float] = {}
+
+    def encode(self) -> bytes:
+        return _encoder.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "ConnectorMetadata":
+        try:
+            return _meta_decoder.decode(data)
+        except msgspec.DecodeError as e:
+            raise WireError(f"malformed connector metadata ({len(data)} bytes): {e}") from e
+
+    def __bool__(self) -> bool:
+        return bool(self.reqs_to_recv or self.reqs_to_save or self.reqs_to_send)
+
+
+class ReadNotif(msgspec.Struct, frozen=True, array_like=True, tag="kvt-read"):
+    """Decode rank ``consumer`` is done with prefill request ``request_id``
+    (``ok=False``: it gave up).  The prefill rank frees once every one of its
+    ``consumer_tp``-derived readers has said so; repeats count once."""
+
+    request_id: str
+    consumer: str
+    consumer_tp: int
+    ok: bool = True
+
+    def encode(self) -> bytes:
+        return _encoder.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "ReadNotif":
+        try:
+            return _notif_decoder.decode(data)
+        except msgspec.DecodeError as e:
+            raise WireError(f"not a kvt read notification ({len(data)} bytes): {e}") from e
+
+
+_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(ConnectorMetadata)
+_notif_decoder = msgspec.msgpack.Decoder(ReadNotif)

@@ -1,0 +1,501 @@
+"""Worker side of the connector: one per TP rank of an engine.
+
+Per engine step the engine calls, in order::
+
+    worker.start_load_kv(meta)      # non-blocking: handshakes and reads start
+    ... forward pass ...
+    worker.wait_for_save()          # host staging: device -> host copies
+    sending, recving = worker.get_finished()
+    bad = worker.get_block_ids_with_load_errors()
+
+Decode side: each ``reqs_to_recv`` entry needs the prefill engine's worker
+metadata; one handshake per remote engine runs on a background thread (it
+only talks to the side channel and checks compatibility; the backend is
+touched on the engine's thread).  Reads start as soon as it completes.  A
+request whose handshake or read fails is still returned by ``get_finished``
+— with its blocks in ``get_block_ids_with_load_errors`` — so the engine can
+recompute or fail it; it is never reported loaded when it is not.
+
+Prefill side: ``reqs_to_send`` requests are held until every decode rank
+that reads this rank's blocks has sent its ``ReadNotif`` (attached to its
+read, so it arrives after the data left), or until ``expires_at``; then
+they are returned as done sending and the engine frees their blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ..agent import Agent, Transfer
+from ..config import load_config
+from ..errors import ClosedError, IncompatiblePeer, InvalidArgument, KvtError, WireError
+from ..types import Op, PrepHandle
+from ..wire import AgentInfo, BlockLayout
+from .compat import WorkerCard, check_peer, fetch_info
+from .config import ConnectorConfig
+from .metadata import ConnectorMetadata, ReadNotif, RecvRequest, RemoteSource
+from .staging import CopyBlocks, HostStaging
+from .tp import Slice, layout_descs, part_layout, plan_reads, readers_per_rank, remote_ranks
+
+__all__ = ["ConnectorWorker"]
+
+log = logging.getLogger(__name__)
+_LAYOUT = "kv"
+_SLACK = 5.0  # seconds past transfer_timeout before we stop waiting on a backend
+
+
+@dataclass
+class _Path:
+    """One read route: our slice layout and prep, the peer's."""
+
+    peer: str
+    local: BlockLayout
+    local_prep: PrepHandle
+    remote: BlockLayout
+    remote_prep: PrepHandle
+
+
+@dataclass
+class _Remote:
+    """A prefill engine we have handshaken with."""
+
+    tp_size: int
+    peers: dict[int, str]  # remote rank -> agent peer name
+    paths: list[_Path]
+    notify_only: list[str]
+
+
+@dataclass
+class _Recv:
+    req: RecvRequest
+    transfers: list[Transfer] = field(default_factory=list)
+    settled: bool = False        # reads posted (or given up): poll, then report
+    error: str | None = None
+    deadline: float = float("inf")
+
+
+@dataclass
+class _Send:
+    expires_at: float | None = None
+    readers: set[str] = field(default_factory=set)
+    expected: int = 1
+    seen: float = field(default_factory=time.monotonic)
+
+
+class ConnectorWorker:
+    """The connector of one TP rank.  ``copy_blocks`` replaces the torch
+    copies used for host staging (``kv_buffer_device="cpu"``)."""
+
+    def __init__(self, config: ConnectorConfig, tp_rank: int = 0, *, copy_blocks: CopyBlocks | None = None):
+        if not 0 <= tp_rank < config.tp_size:
+            raise InvalidArgument(f"tp_rank must be in [0, {config.tp_size}), got {tp_rank}")
+        self.config, self.rank = config, tp_rank
+        port = config.side_channel_port + tp_rank if config.side_channel_port else 0
+        kvt_config = load_config(
+            backend=config.backend, options=config.backend_options or None,
+            name=f"{config.engine_id}-tp{tp_rank}-{secrets.token_hex(3)}", listen_host=config.side_channel_host,
+            listen_port=port, handshake_timeout=config.handshake_timeout, transfer_timeout=config.transfer_timeout)
+        self.agent = Agent(config=kvt_config)
+        self.consumer = f"{config.engine_id}:{tp_rank}"
+        self.endpoint: str | None = None
+        self._copy = copy_blocks
+        self._staging: HostStaging | None = None
+        self._card: WorkerCard | None = None
+        self._layout: BlockLayout | None = None
+        self._parts = 1
+        self._meta = ConnectorMetadata()
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix=f"kvt-connector-handshake-{tp_rank}")
+        self._handshakes: dict[str, tuple[Future, RemoteSource]] = {}
+        self._waiting: dict[str, list[tuple[str, RecvRequest]]] = {}
+        self._remotes: dict[str, _Remote] = {}
+        self._local_preps: dict[Slice, tuple[BlockLayout, PrepHandle]] = {}
+        self._loading: dict[str, _Recv] = {}
+        self._sends: dict[str, _Send] = {}
+        self._early: dict[str, _Send] = {}  # notifications that came before their reqs_to_send
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._invalid: set[int] = set()
+        self._failures: dict[str, str] = {}
+        self._live = 0  # transfer handles posted and not yet released
+        self.stats = dict.fromkeys(("reads", "bytes_read", "recv_ok", "recv_failed", "notified_only",
+                                    "released_by_readers", "expired"), 0)
+        self._closed = False
+
+    # -- registration ---------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> str:
+        """Register this rank's KV cache (layer name -> tensor, see
+        ``KVCacheSpec`` for the shapes) and start serving our metadata.
+        Returns the handshake endpoint.  ``InvalidArgument`` names a tensor
+        whose shape or dtype does not match the spec."""
+        self._check_open()
+        if self._card is not None:
+            raise InvalidArgument("register_kv_caches was already called for this worker")
+        spec = self.config.kv
+        if len(kv_caches) != spec.num_layers:
+            raise InvalidArgument(f"got {len(kv_caches)} layers, the spec says num_layers={spec.num_layers}")
+        buffers, seen = [], set()
+        for name, value in kv_caches.items():
+            for t in self._buffers_of(name, value):
+                if t.data_ptr() not in seen:  # layers may share one cache tensor
+                    seen.add(t.data_ptr())
+                    buffers.append(t)
+        if len({int(t.shape[0]) for t in buffers}) != 1:
+            raise InvalidArgument("every KV cache tensor needs the same number of blocks (first dimension)")
+        if self.config.staging:
+            self._staging = HostStaging(buffers, self._copy)
+            buffers = self._staging.host
+        self._layout = self.agent.register_blocks(_LAYOUT, buffers)
+        self._parts = 2 if spec.kv_layout == "joined" else 1
+        self._card = WorkerCard(engine_id=self.config.engine_id, tp_rank=self.rank, tp_size=self.config.tp_size,
+                                spec=spec, layers=list(kv_caches), parts=self._parts)
+        self.agent.extra.update(self._card.to_extra())
+        self.endpoint = self.agent.listen()
+        return self.endpoint
+
+    def _buffers_of(self, name: str, value: Any) -> list:
+        spec = self.config.kv
+        block = spec.block_shape(self.config.tp_size)
+        if spec.kv_layout == "split":
+            pair = list(value) if isinstance(value, (tuple, list)) else None
+            if pair is None and getattr(value, "ndim", 0) == 2 + len(block) and value.shape[0] == 2:
+                pair = [value[0], value[1]]
+            if pair is None or len(pair) != 2:
+                raise InvalidArgument(f"layer {name!r}: kv_layout 'split' takes a (2, num_blocks, *{block}) tensor "
+                                      "or a (K, V) pair of (num_blocks, *block) tensors")
+            want, got = (None, *block), pair
+        elif spec.kv_layout == "joined":
+            want, got = (None, 2, *block), [value]
+        else:
+            want, got = (None, *block), [value]
+        for t in got:
+            shape = tuple(getattr(t, "shape", ()))
+            if len(shape) != len(want) or shape[1:] != want[1:]:
+                raise InvalidArgument(f"layer {name!r}: tensor of shape {shape} does not match the spec's "
+                                      f"(num_blocks, {', '.join(map(str, want[1:]))}) for tp_size {self.config.tp_size}")
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype != spec.dtype:
+                raise InvalidArgument(f"layer {name!r}: dtype {dtype} but the spec says {spec.dtype}")
+        return got
+
+    # -- per step -------------------------------------------------------------
+
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        """Take this step's metadata: hold ``reqs_to_send``, start handshakes
+        and reads for ``reqs_to_recv``.  Returns at once."""
+        self._check_ready()
+        self._meta = meta
+        for req_id, expires_at in meta.reqs_to_send.items():
+            self._hold(req_id, expires_at)
+        for req_id, req in meta.reqs_to_recv.items():
+            self._schedule(req_id, req)
+        self._progress()
+
+    def wait_for_save(self) -> None:
+        """Host staging: copy this step's ``reqs_to_save`` blocks device -> host."""
+        self._check_ready()
+        if self._staging is not None and self._meta.reqs_to_save:
+            self._staging.save(np.concatenate([np.asarray(v, np.int64) for v in self._meta.reqs_to_save.values()]))
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """``(done_sending, done_recving)`` since the last call.  A request in
+        ``done_recving`` may have failed: check ``get_block_ids_with_load_errors``."""
+        self._check_ready()
+        self._progress()
+        self._poll()
+        self._take_notifs()
+        self._expire()
+        sending, self._done_sending = self._done_sending, set()
+        recving, self._done_recving = self._done_recving, set()
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local block ids whose load failed since the last call (reported no
+        later than the ``get_finished`` that returns their request)."""
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def failure_reasons(self) -> dict[str, str]:
+        """Why each failed request failed, since the last call (for logs)."""
+        out, self._failures = self._failures, {}
+        return out
+
+    def outstanding(self) -> dict[str, int]:
+        """What this worker still holds; all zero once every request settled."""
+        return {"loading": len(self._loading), "transfers": self._live, "held": len(self._sends),
+                "early_notifs": len(self._early), "handshakes": len(self._handshakes),
+                "waiting": sum(map(len, self._waiting.values())),
+                "unreported": len(self._done_sending) + len(self._done_recving) + len(self._invalid)}
+
+    # -- prefill side ---------------------------------------------------------
+
+    def _hold(self, req_id: str, expires_at: float) -> None:
+        entry = self._early.pop(req_id, None) or _Send()
+        entry.expires_at = expires_at
+        if entry.readers and len(entry.readers) >= entry.expected:
+            self._release_send(req_id)
+        else:
+            self._sends[req_id] = entry
+
+    def _take_notifs(self) -> None:
+        for sender, msgs in self.agent.get_notifs().items():
+            for raw in msgs:
+                try:
+                    n = ReadNotif.decode(raw)
+                except WireError as e:
+                    log.warning("ignoring a notification from %s: %s", sender, e)
+                    continue
+                entry = self._sends.get(n.request_id)
+                if entry is None:  # before its reqs_to_send (or after it expired)
+                    entry = self._early.setdefault(n.request_id, _Send())
+                entry.readers.add(n.consumer)
+                entry.expected = readers_per_rank(self.config.tp_size, n.consumer_tp)
+                if n.request_id in self._sends and len(entry.readers) >= entry.expected:
+                    del self._sends[n.request_id]
+                    self._release_send(n.request_id)
+
+    def _release_send(self, req_id: str) -> None:
+        self.stats["released_by_readers"] += 1
+        self._done_sending.add(req_id)
+
+    def _expire(self) -> None:
+        now, mono = time.time(), time.monotonic()
+        for req_id in [r for r, s in self._sends.items() if s.expires_at is not None and now >= s.expires_at]:
+            s = self._sends.pop(req_id)
+            log.warning("releasing request %s: its blocks expired after %d of %d readers",
+                        req_id, len(s.readers), s.expected)
+            self.stats["expired"] += 1
+            self._done_sending.add(req_id)
+        for req_id in [r for r, s in self._early.items() if mono - s.seen > self.config.abort_request_timeout]:
+            del self._early[req_id]  # a reader of a request we never held (or already released)
+
+    # -- decode side ----------------------------------------------------------
+
+    def _schedule(self, req_id: str, req: RecvRequest) -> None:
+        if req.local_block_ids:
+            if req_id in self._loading:
+                raise InvalidArgument(f"request {req_id!r} is already loading on this worker")
+            self._loading[req_id] = _Recv(req)
+        src = req.remote
+        if src.engine_id in self._remotes:
+            self._start(req_id, req)
+            return
+        self._waiting.setdefault(src.engine_id, []).append((req_id, req))
+        if src.engine_id not in self._handshakes:
+            self._handshakes[src.engine_id] = (self._pool.submit(self._handshake, src), src)
+
+    def _handshake(self, src: RemoteSource) -> list[tuple[int, AgentInfo]]:
+        """Background thread: fetch and check the metadata of every prefill
+        rank we read from.  No backend calls here."""
+        out = []
+        for rank in remote_ranks(self.rank, self.config.tp_size, src.tp_size):
+            if rank >= len(src.endpoints):
+                raise IncompatiblePeer(f"no endpoint for prefill rank {rank} of engine {src.engine_id!r}")
+            info = fetch_info(src.endpoints[rank], self.agent.name, self.config.handshake_timeout)
+            check_peer(self._card, WorkerCard.from_info(info), engine_id=src.engine_id, rank=rank,
+                       tp_size=src.tp_size)
+            out.append((rank, info))
+        return out
+
+    def _progress(self) -> None:
+        """Connect finished handshakes and start their waiting requests."""
+        for engine_id, (fut, src) in list(self._handshakes.items()):
+            if not fut.done():
+                continue
+            del self._handshakes[engine_id]
+            waiting = self._waiting.pop(engine_id, [])
+            try:
+                self._connect(engine_id, src.tp_size, fut.result())
+            except Exception as e:  # a bug must fail the requests too, never pass them as loaded
+                if not isinstance(e, KvtError):
+                    log.exception("handshake with engine %s failed", engine_id)
+                why = f"handshake with prefill engine {engine_id!r} failed: {type(e).__name__}: {e}"
+                for req_id, req in waiting:
+                    self._give_up(req_id, req, why)
+                continue
+            for req_id, req in waiting:
+                self._start(req_id, req)
+
+    def _connect(self, engine_id: str, tp_size: int, infos: list[tuple[int, AgentInfo]]) -> None:
+        peers: dict[int, str] = {}
+        preps: list[PrepHandle] = []
+        try:
+            for rank, info in infos:
+                peers[rank] = self.agent.add_peer(info)
+            card = WorkerCard.from_info(infos[0][1])
+            local_part = self._layout.block_len // self._parts
+            remote = {rank: info.layouts.get(_LAYOUT) for rank, info in infos}
+            paths = []
+            for rank, lay in remote.items():
+                if lay is None or len(lay.base_addrs) * card.parts != len(self._layout.base_addrs) * self._parts:
+                    raise IncompatiblePeer(f"prefill rank {rank} of {engine_id!r} registers "
+                                           f"{0 if lay is None else len(lay.base_addrs) * card.parts} KV parts "
+                                           f"per block, we register {len(self._layout.base_addrs) * self._parts}")
+            first = remote[infos[0][0]]
+            plan = plan_reads(self.rank, self.config.tp_size, tp_size, local_part, first.block_len // card.parts,
+                              self.config.kv.mla)
+            for read in plan.reads:
+                local, local_prep = self._local_prep(read.local)
+                rl = part_layout(remote[read.remote_rank], card.parts, read.remote)
+                preps.append(self.agent.backend.prep(peers[read.remote_rank], layout_descs(rl)))
+                paths.append(_Path(peers[read.remote_rank], local, local_prep, rl, preps[-1]))
+        except KvtError:
+            for h in preps:
+                self.agent.backend.release(h)
+            for peer in peers.values():
+                self.agent.remove_peer(peer)
+            raise
+        self._remotes[engine_id] = _Remote(tp_size, peers, paths, [peers[r] for r in plan.notify_only])
+
+    def _local_prep(self, sl: Slice) -> tuple[BlockLayout, PrepHandle]:
+        if sl not in self._local_preps:
+            lay = part_layout(self._layout, self._parts, sl)
+            self._local_preps[sl] = (lay, self.agent.backend.prep(None, layout_descs(lay)))
+        return self._local_preps[sl]
+
+    def _start(self, req_id: str, req: RecvRequest) -> None:
+        src = req.remote
+        remote = self._remotes[src.engine_id]
+        notif = ReadNotif(src.request_id, self.consumer, self.config.tp_size).encode()
+        if remote.tp_size != src.tp_size:
+            self._give_up(req_id, req, f"prefill engine {src.engine_id!r} has TP {remote.tp_size}, the request "
+                                       f"says {src.tp_size}; restart the decode engine to re-handshake")
+            return
+        if not req.local_block_ids:  # nothing to read: let the prefill side free now
+            self._notify(remote.peers.values(), notif)
+            self.stats["notified_only"] += 1
+            return
+        if why := self._lease_problem(src.expires_at):
+            self._give_up(req_id, req, why)
+            return
+        recv = self._loading[req_id]
+        recv.settled, recv.deadline = True, time.monotonic() + self.config.transfer_timeout + _SLACK
+        try:
+            if len(req.local_block_ids) != len(src.block_ids):
+                raise InvalidArgument(f"{len(req.local_block_ids)} local blocks for {len(src.block_ids)} remote blocks")
+            for path in remote.paths:
+                lidx = Agent.block_index(path.local, req.local_block_ids)
+                ridx = Agent.block_index(path.remote, src.block_ids)
+                h = self.agent.backend.transfer(Op.READ, path.local_prep, lidx, path.remote_prep, ridx, notif)
+                self._live += 1
+                recv.transfers.append(Transfer(self.agent, h, int(lidx.size) * path.local.block_len))
+            self._notify(remote.notify_only, notif)
+        except KvtError as e:
+            recv.error = f"posting the read failed: {type(e).__name__}: {e}"
+
+    def _give_up(self, req_id: str, req: RecvRequest, why: str) -> None:
+        log.warning("request %s: %s", req_id, why)
+        recv = self._loading.get(req_id)
+        if recv is not None:
+            recv.settled, recv.error = True, why
+
+    def _lease_problem(self, expires_at: float | None) -> str | None:
+        if expires_at is None:
+            return None
+        left = expires_at - time.time()
+        if left <= self.config.expiry_margin:
+            return (f"the prefill side's lease on the blocks ends in {left:.2f}s (margin "
+                    f"{self.config.expiry_margin:g}s); they may be reused, so they are not read")
+        return None
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        for req_id, recv in list(self._loading.items()):
+            if not recv.settled:
+                continue  # its handshake is still running
+            pending = False
+            for t in recv.transfers:
+                try:
+                    state = t.state()
+                except KvtError as e:
+                    recv.error = recv.error or f"read state unknown: {type(e).__name__}: {e}"
+                    continue
+                if state.pending:
+                    pending = True
+                elif state.failed and recv.error is None:
+                    recv.error = f"read failed: {type(state.cause).__name__}: {state.cause}"
+            if pending and now < recv.deadline:
+                continue  # even after an error: let the rest settle before releasing
+            if pending:
+                recv.error = recv.error or (f"read did not finish within "
+                                            f"{self.config.transfer_timeout + _SLACK:g}s")
+            self._finish(req_id, recv)
+
+    def _finish(self, req_id: str, recv: _Recv) -> None:
+        del self._loading[req_id]
+        for t in recv.transfers:
+            try:
+                t.release()
+            except KvtError as e:
+                log.warning("releasing a read of %s: %s", req_id, e)
+            self._live -= 1
+        ids = recv.req.local_block_ids
+        if recv.error is None and recv.transfers:
+            if why := self._lease_problem(recv.req.remote.expires_at):
+                recv.error = f"the read finished too late: {why}"
+        if recv.error is None:
+            if self._staging is not None:
+                self._staging.load(ids)
+            self.stats["reads"] += len(recv.transfers)
+            self.stats["bytes_read"] += sum(t.nbytes for t in recv.transfers)
+            self.stats["recv_ok"] += 1
+        else:
+            self.stats["recv_failed"] += 1
+            self._invalid.update(ids)
+            self._failures[req_id] = recv.error
+            remote = self._remotes.get(recv.req.remote.engine_id)
+            if remote is not None:  # tell the prefill side we are done with the blocks
+                src = recv.req.remote
+                self._notify(remote.peers.values(), ReadNotif(src.request_id, self.consumer,
+                                                              self.config.tp_size, ok=False).encode())
+        self._done_recving.add(req_id)
+
+    def _notify(self, peers, msg: bytes) -> None:
+        for peer in peers:
+            try:
+                self.agent.notify(peer, msg)
+            except KvtError as e:  # the prefill side then frees on expiry
+                log.warning("notifying %s: %s", peer, e)
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"connector worker {self.consumer} is shut down")
+
+    def _check_ready(self) -> None:
+        self._check_open()
+        if self._card is None:
+            raise InvalidArgument("call register_kv_caches before the first step")
+
+    def shutdown(self) -> None:
+        """Release every transfer, peer and registration.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for recv in self._loading.values():
+            for t in recv.transfers:
+                try:
+                    t.release()
+                    self._live -= 1
+                except KvtError:
+                    pass
+        self._loading.clear()
+        self.agent.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"ConnectorWorker({self.consumer!r}, backend={self.agent.backend_name!r})"
