@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -30,8 +31,8 @@ import numpy as np
 import zmq
 from kvt import memory
 from kvt.backend import Backend
-from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, InvalidHandle, KvtError, PeerDisconnected,
-                        RemoteRejected, TransferError, TransferTimeout, UnknownPeer, WireError)
+from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError,
+                        PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, UnknownPeer, WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState)
 from kvt.wire import decode, encode
@@ -216,8 +217,12 @@ class HostBackend(Backend):
             peer = self._peers.get(md.name)
             if peer is None:
                 self._peers[md.name] = _Peer(md, self.transport)
-            else:
-                peer.pool.submit(peer.update, md, self.transport).result(timeout=self.timeout)
+            else:  # on the peer's worker, between its transfers
+                try:
+                    peer.pool.submit(peer.update, md, self.transport).result(timeout=self.timeout)
+                except FuturesTimeout:
+                    raise KvtTimeoutError(f"peer {md.name!r} stayed busy for {self.timeout:g}s; "
+                                          "its metadata was not refreshed") from None
         return md.name
 
     def remove_remote(self, peer: str) -> None:
