@@ -25,12 +25,26 @@ import numpy as np
 from . import registry
 from .config import Config, load_config
 from .errors import (ClosedError, HandshakeError, IncompatiblePeer, InvalidArgument, KvtError,
-                     KvtTimeoutError, UnknownPeer)
+                     KvtTimeoutError, UnknownPeer, WireError)
 from .handshake import HandshakeServer, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
 from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
 
-__all__ = ["Agent", "Transfer", "poll_until"]
+__all__ = ["Agent", "Transfer", "poll_until", "fetch_info"]
+
+
+def fetch_info(endpoint: str, sender: str, timeout: float) -> AgentInfo:
+    """A peer's ``AgentInfo`` through its handshake side channel.  Touches no
+    backend, so it is safe on a background thread.  ``HandshakeTimeout`` if
+    the peer never answers, ``HandshakeError`` if it refuses or sends
+    something unreadable."""
+    reply = decode(request(endpoint, encode(HandshakeRequest(sender=sender)), timeout), HandshakeReply)
+    if reply.error:
+        raise HandshakeError(f"peer at {endpoint} refused the handshake: {reply.error}")
+    try:
+        return decode(reply.payload, AgentInfo)
+    except WireError as e:
+        raise HandshakeError(f"peer at {endpoint} sent unreadable metadata: {e}") from e
 
 
 def poll_until(check, timeout: float, what: str):
@@ -177,12 +191,8 @@ class Agent:
         """Fetch a peer's ``AgentInfo`` through its side channel and load it.
         Returns the peer's name.  ``HandshakeTimeout`` if it never answers."""
         self._check_open()
-        raw = request(endpoint, encode(HandshakeRequest(sender=self.name)),
-                      self.config.handshake_timeout if timeout is None else timeout)
-        reply = decode(raw, HandshakeReply)
-        if reply.error:
-            raise HandshakeError(f"peer at {endpoint} refused the handshake: {reply.error}")
-        return self.add_peer(decode(reply.payload, AgentInfo))
+        return self.add_peer(fetch_info(endpoint, self.name,
+                                        self.config.handshake_timeout if timeout is None else timeout))
 
     def add_peer(self, info: AgentInfo | bytes) -> str:
         """Load a peer's ``AgentInfo`` (re-adding refreshes it)."""
@@ -262,10 +272,7 @@ class Agent:
         with self._lock:
             h = self._preps.get(key)
             if h is None:
-                lay = self._layout(peer, layout)
-                descs = Descs.from_blocks(lay.base_addrs, lay.block_len, np.arange(lay.num_blocks),
-                                          stride=lay.stride, device=lay.device, kind=lay.kind)
-                h = self._preps[key] = self.backend.prep(peer, descs)
+                h = self._preps[key] = self.backend.prep(peer, self._layout(peer, layout).descs())
             return h
 
     def _drop_preps(self, match) -> None:

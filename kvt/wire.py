@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
 
 from .errors import VersionMismatch, WireError
+from .types import Descs
 
 __all__ = ["WIRE_VERSION", "Message", "BlockLayout", "AgentInfo", "HandshakeRequest",
            "HandshakeReply", "encode", "decode"]
@@ -43,6 +45,11 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
     stride: int
     device: int = 0
     kind: str = "DRAM"
+
+    def descs(self) -> Descs:
+        """Every block of every region, region-major (one numpy broadcast)."""
+        return Descs.from_blocks(self.base_addrs, self.block_len, np.arange(self.num_blocks),
+                                 stride=self.stride, device=self.device, kind=self.kind)
 
 
 class AgentInfo(Message, tag="agent_info"):

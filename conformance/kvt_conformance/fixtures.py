@@ -12,9 +12,9 @@ a subclass.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, ClassVar, Mapping
 
-import numpy as np
 import pytest
 from kvt.agent import poll_until
 from kvt.backend import Backend
@@ -23,24 +23,37 @@ from kvt.types import MemKind, Op, XferHandle, XferState
 
 from . import peer as peers
 from .buffers import Buffer
+from .plugin import OPTIONS_KEY, TARGETS_KEY
 from .requirements import MARKER, UNAVAILABLE, check
 from .target import Target
 
-__all__ = ["BackendFixtures", "PeerView", "settle", "expect_done", "TARGETS_KEY"]
-
-#: config.stash key under which every Target a run tested is recorded (for reports)
-TARGETS_KEY = pytest.StashKey[dict]()
-#: config.stash key of the parsed --kvt-options (set by the plugin)
-OPTIONS_KEY = pytest.StashKey[dict]()
+__all__ = ["BackendFixtures", "PeerView", "settle", "settle_all", "expect_done"]
 
 
 def settle(backend: Backend, handle: XferHandle, timeout: float) -> XferState:
     """Poll until the transfer leaves PROC; fail the test if it never does."""
+    return settle_all(backend, [handle], timeout)[0]
+
+
+def settle_all(backend: Backend, handles: list[XferHandle], timeout: float) -> list[XferState]:
+    """Poll every transfer until none is PROC; all within one ``timeout``
+    (a dead peer must fail every transfer queued to it in time, not one per timeout)."""
+    states: dict[int, XferState] = {}
+
+    def all_settled() -> bool:
+        for i, h in enumerate(handles):
+            if i not in states:
+                s = backend.check_state(h)
+                if not s.pending:
+                    states[i] = s
+        return len(states) == len(handles)
+
     try:
-        return poll_until(lambda: (lambda s: None if s.pending else s)(backend.check_state(handle)),
-                          timeout, f"transfer {handle}")
+        poll_until(all_settled, timeout, "transfers")
     except KvtTimeoutError:
-        pytest.fail(f"transfer {handle} still PROC after {timeout:g}s: nothing may hang")
+        pytest.fail(f"{len(handles) - len(states)} of {len(handles)} transfers still PROC after {timeout:g}s; "
+                    "each must end within the backend's timeout")
+    return [states[i] for i in range(len(handles))]
 
 
 def expect_done(backend: Backend, handle: XferHandle, timeout: float) -> None:
@@ -61,10 +74,6 @@ class PeerView:
     @property
     def name(self) -> str:
         return self.raw.name
-
-    @property
-    def in_process(self) -> bool:
-        return self.raw.in_process
 
     def alloc(self, nbytes: int, kind: MemKind | str = MemKind.DRAM, seed: int | None = None,
               register: bool = True) -> peers.RemoteBuffer:
@@ -112,9 +121,16 @@ class _Backends:
         return obj
 
     def close(self) -> None:
+        """Close every instance (each one, even if another's close raises)."""
+        failures = []
         for b in reversed(self.made):
-            b.close()
+            try:
+                b.close()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others closed
+                failures.append(e)
         self.kept.clear()
+        if failures:
+            raise failures[0]
 
 
 class BackendFixtures:
@@ -129,15 +145,16 @@ class BackendFixtures:
     #: the capability area of the suite (for the report's table)
     area: ClassVar[str] = "other"
 
-    @pytest.fixture(scope="class")
+    @pytest.fixture
     def target(self, request: pytest.FixtureRequest) -> Target:
         config = request.config
         spec = self.backend_target or config.getoption("kvt_backend", None)
         if spec is None:
             pytest.skip("no backend to test: pass --kvt-backend=NAME, or set backend_target in a subclass")
         options = {**self.backend_options, **config.stash.get(OPTIONS_KEY, {})}
-        target = Target.resolve(spec, options)
-        config.stash.setdefault(TARGETS_KEY, {})[target.spec] = target
+        key = (spec, json.dumps(options, sort_keys=True, default=str))
+        tested = config.stash.setdefault(TARGETS_KEY, {})
+        target = tested.get(key) or tested.setdefault(key, Target.resolve(spec, options))
         avail = target.availability()
         if not avail.usable:
             pytest.skip(f"{UNAVAILABLE}: backend {target.label}: {avail.reason}")
@@ -172,8 +189,10 @@ class BackendFixtures:
     @pytest.fixture
     def make_backend(self, target: Target):
         backends = _Backends(target)
-        yield backends
-        backends.close()
+        try:
+            yield backends
+        finally:
+            backends.close()
 
     @pytest.fixture
     def backend(self, make_backend: _Backends) -> Backend:
@@ -193,7 +212,7 @@ class BackendFixtures:
         return make
 
     @pytest.fixture
-    def peer(self, request: pytest.FixtureRequest, target: Target):
+    def peer(self, target: Target):
         """Another agent of the same backend: in another process (shared by
         the session) when the backend declares ``remote``, else in this one."""
         if target.caps.remote:
@@ -201,10 +220,12 @@ class BackendFixtures:
         else:
             raw, owned = peers.LocalPeer(target), True
         view = PeerView(raw)
-        yield view
-        view.cleanup()
-        if owned:
-            raw.close()
+        try:
+            yield view
+            view.cleanup()
+        finally:
+            if owned:
+                raw.close()
 
     @pytest.fixture
     def spawn_peer(self, target: Target):
@@ -216,9 +237,11 @@ class BackendFixtures:
             made.append(peers.ProcessPeer(target, **options))
             return PeerView(made[-1])
 
-        yield spawn
-        for p in made:
-            p.close()
+        try:
+            yield spawn
+        finally:
+            for p in made:
+                p.close()
 
     @pytest.fixture
     def far_buffer(self, where: str, backend: Backend, local_buffer, request: pytest.FixtureRequest):
@@ -238,7 +261,3 @@ class BackendFixtures:
         """Seconds a test waits for anything to settle: the backend's timeout plus slack."""
         return target.timeout + 5.0
 
-
-def blocks_of(data: np.ndarray, block_len: int) -> np.ndarray:
-    """``data`` viewed as ``(n, block_len)`` rows."""
-    return np.asarray(data, np.uint8).reshape(-1, block_len)

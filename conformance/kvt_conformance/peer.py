@@ -47,6 +47,7 @@ __all__ = ["PeerCore", "ProcessPeer", "LocalPeer", "PeerPool", "RemoteBuffer", "
 _READY = "KVT-PEER"
 _LIFETIME = 1800.0      # seconds; a peer never outlives a stuck test run by much
 _COMMAND_TIMEOUT = 30.0  # seconds for a command that does not wait on anything
+_peer_ids = itertools.count(1)
 
 
 class PeerFailure(AssertionError):
@@ -244,11 +245,9 @@ def _python_path() -> str:
 class ProcessPeer:
     """A peer agent in a child process, driven over kvt's handshake channel."""
 
-    in_process = False
-
     def __init__(self, target: Target, start_timeout: float = 60.0, **options: Any):
         self.target = target
-        name = f"kvt-conformance-peer-{os.getpid()}-{id(self):x}"
+        name = f"kvt-conformance-peer-{os.getpid()}-{next(_peer_ids)}"
         spec = {"target": target.spec, "name": name, "options": {**target.options, **options}}
         env = {**os.environ, "PYTHONPATH": _python_path()}
         self._stderr = tempfile.TemporaryFile()
@@ -354,8 +353,6 @@ class ProcessPeer:
 
 class LocalPeer:
     """A peer agent in this process (for backends that do not declare ``remote``)."""
-
-    in_process = True
 
     def __init__(self, target: Target, **options: Any):
         self.core = PeerCore(target.create("peer", **options))

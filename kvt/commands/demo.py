@@ -20,6 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--engine", action="store_true",
+                   help="run the reference engine instead: prefill and decode workers as processes, "
+                        "--requests requests of mixed lengths (up to --request-blocks blocks), every decoded "
+                        "block verified; prints per-request latency and total throughput")
+    p.add_argument("--requests", type=int, default=16, help="with --engine: how many requests")
     add_config_arguments(p)
     p.set_defaults(func=run)
 
@@ -30,6 +35,15 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     backend = config.backend
+    if args.engine:
+        from ..connector.engine_demo import engine_demo
+
+        if args.requests < 1:
+            raise InvalidArgument(f"--requests must be at least 1, got {args.requests}")
+        return engine_demo(backend=backend, backend_options=config.options, requests=args.requests,
+                           layers=args.layers, heads=args.heads, head_dim=args.head_dim,
+                           block_size=args.block_size, blocks=args.blocks, max_request_blocks=args.request_blocks,
+                           timeout=args.timeout, as_json=args.json)
     if not 0 < args.request_blocks <= args.blocks:
         raise InvalidArgument(f"--request-blocks must be in 1..--blocks ({args.blocks}), got {args.request_blocks}")
     spec = DemoSpec(config=config, layers=args.layers, blocks=args.blocks, heads=args.heads,

@@ -13,13 +13,11 @@ from typing import Any
 
 import msgspec
 
-from ..errors import HandshakeError, IncompatiblePeer, WireError
-from ..handshake import request
-from ..wire import AgentInfo, HandshakeReply, HandshakeRequest, decode, encode
+from ..errors import IncompatiblePeer
 from .config import KVCacheSpec
 from .metadata import CONNECTOR_VERSION
 
-__all__ = ["EXTRA_KEY", "WorkerCard", "fetch_info", "check_peer"]
+__all__ = ["EXTRA_KEY", "WorkerCard", "check_peer"]
 
 #: key of the connector's entry in ``AgentInfo.extra``
 EXTRA_KEY = "kvt_connector"
@@ -50,18 +48,6 @@ class WorkerCard(msgspec.Struct, frozen=True, kw_only=True):
         except msgspec.ValidationError as e:
             raise IncompatiblePeer(f"agent {info.name!r} publishes an unreadable connector card: {e}; "
                                    "run the same kvt release on both sides") from e
-
-
-def fetch_info(endpoint: str, sender: str, timeout: float) -> AgentInfo:
-    """A peer's ``AgentInfo`` through its handshake side channel (no backend
-    call, so it is safe on a background thread)."""
-    reply = decode(request(endpoint, encode(HandshakeRequest(sender=sender)), timeout), HandshakeReply)
-    if reply.error:
-        raise HandshakeError(f"peer at {endpoint} refused the handshake: {reply.error}")
-    try:
-        return decode(reply.payload, AgentInfo)
-    except WireError as e:
-        raise HandshakeError(f"peer at {endpoint} sent unreadable metadata: {e}") from e
 
 
 def check_peer(mine: WorkerCard, theirs: WorkerCard, *, engine_id: str, rank: int, tp_size: int) -> None:

@@ -101,8 +101,27 @@ class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):
     remote: RemoteSource
 
 
-class ConnectorMetadata(msgspec.Struct, kw_only=True):
+class _Packed:
+    """msgpack ``encode`` / ``decode`` (``WireError`` for bad bytes) for a struct."""
+
+    __slots__ = ()
+    _what = "message"
+
+    def encode(self) -> bytes:
+        return _encoder.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes):
+        try:
+            return _decoders[cls].decode(data)
+        except msgspec.DecodeError as e:
+            raise WireError(f"malformed {cls._what} ({len(data)} bytes): {e}") from e
+
+
+class ConnectorMetadata(_Packed, msgspec.Struct, kw_only=True):
     """Scheduler -> workers, once per engine step."""
+
+    _what = "connector metadata"
 
     reqs_to_recv: dict[str, RecvRequest] = {}
     #: prefill side with host staging: blocks to copy device -> host this step
@@ -110,41 +129,22 @@ class ConnectorMetadata(msgspec.Struct, kw_only=True):
     #: prefill side: requests whose blocks are held for readers, until ``expires_at``
     reqs_to_send: dict[str, float] = {}
 
-    def encode(self) -> bytes:
-        return _encoder.encode(self)
-
-    @classmethod
-    def decode(cls, data: bytes) -> "ConnectorMetadata":
-        try:
-            return _meta_decoder.decode(data)
-        except msgspec.DecodeError as e:
-            raise WireError(f"malformed connector metadata ({len(data)} bytes): {e}") from e
-
     def __bool__(self) -> bool:
         return bool(self.reqs_to_recv or self.reqs_to_save or self.reqs_to_send)
 
 
-class ReadNotif(msgspec.Struct, frozen=True, array_like=True, tag="kvt-read"):
+class ReadNotif(_Packed, msgspec.Struct, frozen=True, array_like=True, tag="kvt-read"):
     """Decode rank ``consumer`` is done with prefill request ``request_id``
     (``ok=False``: it gave up).  The prefill rank frees once every one of its
     ``consumer_tp``-derived readers has said so; repeats count once."""
+
+    _what = "kvt read notification"
 
     request_id: str
     consumer: str
     consumer_tp: int
     ok: bool = True
 
-    def encode(self) -> bytes:
-        return _encoder.encode(self)
-
-    @classmethod
-    def decode(cls, data: bytes) -> "ReadNotif":
-        try:
-            return _notif_decoder.decode(data)
-        except msgspec.DecodeError as e:
-            raise WireError(f"not a kvt read notification ({len(data)} bytes): {e}") from e
-
 
 _encoder = msgspec.msgpack.Encoder()
-_meta_decoder = msgspec.msgpack.Decoder(ConnectorMetadata)
-_notif_decoder = msgspec.msgpack.Decoder(ReadNotif)
+_decoders = {t: msgspec.msgpack.Decoder(t) for t in (ConnectorMetadata, ReadNotif)}

@@ -12,7 +12,7 @@ heads is one contiguous byte range of a part:
 * replicated KV (MLA): whole parts from one rank; when prefill TP is larger,
   the other ranks of the group only get a notification.
 
-Descriptor lists are built with numpy broadcasts (``Descs.from_blocks``).
+Descriptor lists are built with numpy broadcasts (``BlockLayout.descs``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import IncompatiblePeer
-from ..types import Descs
 from ..wire import BlockLayout
 
 __all__ = ["Slice", "Read", "ReadPlan", "remote_ranks", "plan_reads", "readers_per_rank",
-           "part_layout", "layout_descs"]
+           "part_layout"]
 
 
 @dataclass(frozen=True)
@@ -106,9 +105,3 @@ def part_layout(layout: BlockLayout, parts: int, sl: Slice) -> BlockLayout:
              + np.arange(parts, dtype=np.uint64)[None, :] * np.uint64(part_len)).ravel() + np.uint64(sl.offset)
     return BlockLayout(base_addrs=bases.tolist(), block_len=sl.length, num_blocks=layout.num_blocks,
                        stride=layout.stride, device=layout.device, kind=layout.kind)
-
-
-def layout_descs(layout: BlockLayout) -> Descs:
-    """Every block of every region of ``layout``, region-major."""
-    return Descs.from_blocks(layout.base_addrs, layout.block_len, np.arange(layout.num_blocks),
-                             stride=layout.stride, device=layout.device, kind=layout.kind)

@@ -29,20 +29,21 @@ import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
-from ..agent import Agent, Transfer
+from ..agent import Agent, Transfer, fetch_info
 from ..config import load_config
-from ..errors import ClosedError, IncompatiblePeer, InvalidArgument, KvtError, WireError
+from ..errors import (ClosedError, IncompatiblePeer, InvalidArgument, KvtError, PeerDisconnected,
+                      TransferTimeout, WireError)
 from ..types import Op, PrepHandle
 from ..wire import AgentInfo, BlockLayout
-from .compat import WorkerCard, check_peer, fetch_info
+from .compat import WorkerCard, check_peer
 from .config import ConnectorConfig
 from .metadata import ConnectorMetadata, ReadNotif, RecvRequest, RemoteSource
 from .staging import CopyBlocks, HostStaging
-from .tp import Slice, layout_descs, part_layout, plan_reads, readers_per_rank, remote_ranks
+from .tp import Slice, part_layout, plan_reads, readers_per_rank, remote_ranks
 
 __all__ = ["ConnectorWorker"]
 
@@ -55,7 +56,6 @@ _SLACK = 5.0  # seconds past transfer_timeout before we stop waiting on a backen
 class _Path:
     """One read route: our slice layout and prep, the peer's."""
 
-    peer: str
     local: BlockLayout
     local_prep: PrepHandle
     remote: BlockLayout
@@ -78,6 +78,8 @@ class _Recv:
     transfers: list[Transfer] = field(default_factory=list)
     settled: bool = False        # reads posted (or given up): poll, then report
     error: str | None = None
+    peer_lost: bool = False      # the prefill side died or went silent: forget it
+    remote: "_Remote | None" = None  # the connection its reads use
     deadline: float = float("inf")
 
 
@@ -112,9 +114,11 @@ class ConnectorWorker:
         self._parts = 1
         self._meta = ConnectorMetadata()
         self._pool = ThreadPoolExecutor(4, thread_name_prefix=f"kvt-connector-handshake-{tp_rank}")
-        self._handshakes: dict[str, tuple[Future, RemoteSource]] = {}
-        self._waiting: dict[str, list[tuple[str, RecvRequest]]] = {}
+        # in flight per (engine, endpoints): one per remote engine, unless a request names other endpoints
+        self._handshakes: dict[tuple, tuple[Future, RemoteSource]] = {}
+        self._waiting: dict[tuple, list[tuple[str, RecvRequest]]] = {}
         self._remotes: dict[str, _Remote] = {}
+        self._retired: list[_Remote] = []  # dropped connections, released once no read uses them
         self._local_preps: dict[Slice, tuple[BlockLayout, PrepHandle]] = {}
         self._loading: dict[str, _Recv] = {}
         self._sends: dict[str, _Send] = {}
@@ -178,8 +182,8 @@ class ConnectorWorker:
         for t in got:
             shape = tuple(getattr(t, "shape", ()))
             if len(shape) != len(want) or shape[1:] != want[1:]:
-                raise InvalidArgument(f"layer {name!r}: tensor of shape {shape} does not match the spec's "
-                                      f"(num_blocks, {', '.join(map(str, want[1:]))}) for tp_size {self.config.tp_size}")
+                raise InvalidArgument(f"layer {name!r}: tensor of shape {shape} does not match the spec's (num_blocks, "
+                                      f"{', '.join(map(str, want[1:]))}) for tp_size {self.config.tp_size}")
             dtype = str(t.dtype).removeprefix("torch.")
             if dtype != spec.dtype:
                 raise InvalidArgument(f"layer {name!r}: dtype {dtype} but the spec says {spec.dtype}")
@@ -231,7 +235,7 @@ class ConnectorWorker:
         """What this worker still holds; all zero once every request settled."""
         return {"loading": len(self._loading), "transfers": self._live, "held": len(self._sends),
                 "early_notifs": len(self._early), "handshakes": len(self._handshakes),
-                "waiting": sum(map(len, self._waiting.values())),
+                "waiting": sum(map(len, self._waiting.values())), "retired": len(self._retired),
                 "unreported": len(self._done_sending) + len(self._done_recving) + len(self._invalid)}
 
     # -- prefill side ---------------------------------------------------------
@@ -287,9 +291,10 @@ class ConnectorWorker:
         if src.engine_id in self._remotes:
             self._start(req_id, req)
             return
-        self._waiting.setdefault(src.engine_id, []).append((req_id, req))
-        if src.engine_id not in self._handshakes:
-            self._handshakes[src.engine_id] = (self._pool.submit(self._handshake, src), src)
+        key = (src.engine_id, tuple(src.endpoints))
+        self._waiting.setdefault(key, []).append((req_id, req))
+        if key not in self._handshakes:
+            self._handshakes[key] = (self._pool.submit(self._handshake, src), src)
 
     def _handshake(self, src: RemoteSource) -> list[tuple[int, AgentInfo]]:
         """Background thread: fetch and check the metadata of every prefill
@@ -306,13 +311,14 @@ class ConnectorWorker:
 
     def _progress(self) -> None:
         """Connect finished handshakes and start their waiting requests."""
-        for engine_id, (fut, src) in list(self._handshakes.items()):
+        for key, (fut, src) in list(self._handshakes.items()):
             if not fut.done():
                 continue
-            del self._handshakes[engine_id]
-            waiting = self._waiting.pop(engine_id, [])
+            del self._handshakes[key]
+            waiting, engine_id = self._waiting.pop(key, []), src.engine_id
             try:
-                self._connect(engine_id, src.tp_size, fut.result())
+                if engine_id not in self._remotes:  # else another handshake connected it meanwhile
+                    self._connect(engine_id, src.tp_size, fut.result())
             except Exception as e:  # a bug must fail the requests too, never pass them as loaded
                 if not isinstance(e, KvtError):
                     log.exception("handshake with engine %s failed", engine_id)
@@ -344,20 +350,20 @@ class ConnectorWorker:
             for read in plan.reads:
                 local, local_prep = self._local_prep(read.local)
                 rl = part_layout(remote[read.remote_rank], card.parts, read.remote)
-                preps.append(self.agent.backend.prep(peers[read.remote_rank], layout_descs(rl)))
-                paths.append(_Path(peers[read.remote_rank], local, local_prep, rl, preps[-1]))
+                preps.append(self.agent.backend.prep(peers[read.remote_rank], rl.descs()))
+                paths.append(_Path(local, local_prep, rl, preps[-1]))
         except KvtError:
             for h in preps:
-                self.agent.backend.release(h)
+                self._quietly(self.agent.backend.release, h)
             for peer in peers.values():
-                self.agent.remove_peer(peer)
+                self._quietly(self.agent.remove_peer, peer)
             raise
         self._remotes[engine_id] = _Remote(tp_size, peers, paths, [peers[r] for r in plan.notify_only])
 
     def _local_prep(self, sl: Slice) -> tuple[BlockLayout, PrepHandle]:
         if sl not in self._local_preps:
             lay = part_layout(self._layout, self._parts, sl)
-            self._local_preps[sl] = (lay, self.agent.backend.prep(None, layout_descs(lay)))
+            self._local_preps[sl] = (lay, self.agent.backend.prep(None, lay.descs()))
         return self._local_preps[sl]
 
     def _start(self, req_id: str, req: RecvRequest) -> None:
@@ -376,7 +382,8 @@ class ConnectorWorker:
             self._give_up(req_id, req, why)
             return
         recv = self._loading[req_id]
-        recv.settled, recv.deadline = True, time.monotonic() + self.config.transfer_timeout + _SLACK
+        recv.settled, recv.remote = True, remote
+        recv.deadline = time.monotonic() + self.config.transfer_timeout + _SLACK
         try:
             if len(req.local_block_ids) != len(src.block_ids):
                 raise InvalidArgument(f"{len(req.local_block_ids)} local blocks for {len(src.block_ids)} remote blocks")
@@ -421,20 +428,21 @@ class ConnectorWorker:
                     pending = True
                 elif state.failed and recv.error is None:
                     recv.error = f"read failed: {type(state.cause).__name__}: {state.cause}"
+                    recv.peer_lost = isinstance(state.cause, (PeerDisconnected, TransferTimeout))
             if pending and now < recv.deadline:
                 continue  # even after an error: let the rest settle before releasing
             if pending:
                 recv.error = recv.error or (f"read did not finish within "
                                             f"{self.config.transfer_timeout + _SLACK:g}s")
+                recv.peer_lost = True
             self._finish(req_id, recv)
+        if self._retired:
+            self._reap()
 
     def _finish(self, req_id: str, recv: _Recv) -> None:
         del self._loading[req_id]
         for t in recv.transfers:
-            try:
-                t.release()
-            except KvtError as e:
-                log.warning("releasing a read of %s: %s", req_id, e)
+            self._quietly(Transfer.release, t)
             self._live -= 1
         ids = recv.req.local_block_ids
         if recv.error is None and recv.transfers:
@@ -450,12 +458,32 @@ class ConnectorWorker:
             self.stats["recv_failed"] += 1
             self._invalid.update(ids)
             self._failures[req_id] = recv.error
-            remote = self._remotes.get(recv.req.remote.engine_id)
-            if remote is not None:  # tell the prefill side we are done with the blocks
-                src = recv.req.remote
-                self._notify(remote.peers.values(), ReadNotif(src.request_id, self.consumer,
-                                                              self.config.tp_size, ok=False).encode())
+            src = recv.req.remote
+            if recv.peer_lost and self._remotes.get(src.engine_id) is recv.remote:
+                # the next request re-handshakes (e.g. with a restarted engine)
+                self._retired.append(self._remotes.pop(src.engine_id))
+            elif recv.remote is not None:  # tell the prefill side we are done with the blocks
+                self._notify(recv.remote.peers.values(), ReadNotif(src.request_id, self.consumer,
+                                                                   self.config.tp_size, ok=False).encode())
         self._done_recving.add(req_id)
+
+    def _reap(self) -> None:
+        """Release retired connections that no read uses any more."""
+        busy = {id(r.remote) for r in self._loading.values()}
+        live = {p for r in self._remotes.values() for p in r.peers.values()}
+        for remote in [r for r in self._retired if id(r) not in busy]:
+            self._retired.remove(remote)
+            for path in remote.paths:
+                self._quietly(self.agent.backend.release, path.remote_prep)
+            for peer in set(remote.peers.values()) - live:
+                self._quietly(self.agent.remove_peer, peer)
+
+    @staticmethod
+    def _quietly(fn, arg) -> None:
+        try:
+            fn(arg)
+        except KvtError as e:  # already gone with the peer; nothing left to free
+            log.debug("%s(%r): %s", getattr(fn, "__name__", fn), arg, e)
 
     def _notify(self, peers, msg: bytes) -> None:
         for peer in peers:
@@ -483,11 +511,8 @@ class ConnectorWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for recv in self._loading.values():
             for t in recv.transfers:
-                try:
-                    t.release()
-                    self._live -= 1
-                except KvtError:
-                    pass
+                self._quietly(Transfer.release, t)
+                self._live -= 1
         self._loading.clear()
         self.agent.close()
 

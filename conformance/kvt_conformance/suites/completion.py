@@ -1,0 +1,86 @@
+"""Completion: PROC until DONE and never DONE before every byte is at the
+destination; DONE stays DONE; release, release twice, release in flight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvt.agent import poll_until
+from kvt.errors import InvalidHandle, KvtTimeoutError
+from kvt.types import MemKind, Op, Status
+
+from ..fixtures import BackendFixtures, expect_done
+from ..requirements import requires
+from ._common import assert_bytes, destination, expected, seeds
+
+
+class CompletionTests(BackendFixtures):
+    area = "completion"
+    block = 4096
+    nblocks = 64
+
+    def _post(self, backend, local_buffer, far_buffer, op, kind=MemKind.DRAM):
+        size = self.block * self.nblocks
+        ns, fs = seeds(op)
+        near, (peer, far) = local_buffer(size, kind, ns), far_buffer(size, kind, fs)
+        ids = np.arange(self.nblocks)
+        lp, rp = backend.prep(None, near.blocks(self.block, ids)), backend.prep(peer, far.blocks(self.block, ids[::-1]))
+        want = expected(op, size, self.block, ids, ids[::-1])
+        return backend.transfer(op, lp, None, rp, None), destination(op, near, far), want
+
+    def test_never_done_before_the_data(self, backend, local_buffer, far_buffer, op, where, kind, wait_for):
+        """Poll as fast as possible; the moment DONE is seen, the destination
+        must already hold every byte."""
+        handle, dst, want = self._post(backend, local_buffer, far_buffer, op, kind)
+        seen: list[Status] = []
+
+        def settled():
+            state = backend.check_state(handle)
+            seen.append(state.status)
+            return None if state.pending else state
+
+        try:
+            state = poll_until(settled, wait_for, "transfer")
+        except KvtTimeoutError:
+            pytest.fail(f"transfer still PROC after {wait_for:g}s")
+        got = dst.read()  # first thing after DONE
+        assert state.done, f"transfer ended {state!r}"
+        assert_bytes(got, want, "destination when DONE was first reported")
+        assert set(seen[:-1]) <= {Status.PROC}, f"states before DONE: {sorted(set(seen[:-1]))}"
+
+    def test_done_stays_done(self, backend, local_buffer, far_buffer, op, where, wait_for):
+        handle, _, _ = self._post(backend, local_buffer, far_buffer, op)
+        expect_done(backend, handle, wait_for)
+        for _ in range(5):
+            assert backend.check_state(handle).done
+
+    def test_release_after_done_and_twice(self, backend, local_buffer, far_buffer, op, where, wait_for):
+        handle, dst, want = self._post(backend, local_buffer, far_buffer, op)
+        expect_done(backend, handle, wait_for)
+        backend.release(handle)
+        with pytest.raises(InvalidHandle):
+            backend.check_state(handle)
+        with pytest.raises(InvalidHandle):
+            backend.release(handle)
+        assert_bytes(dst.read(), want)
+
+    def test_release_in_flight(self, backend, local_buffer, far_buffer, op, where, wait_for):
+        """Releasing a transfer that may still be running returns, and the
+        backend goes on serving the next transfer correctly."""
+        handle, _, _ = self._post(backend, local_buffer, far_buffer, op)
+        backend.release(handle)
+        with pytest.raises(InvalidHandle):
+            backend.check_state(handle)
+        again, dst, want = self._post(backend, local_buffer, far_buffer, op)
+        expect_done(backend, again, wait_for)
+        assert_bytes(dst.read(), want)
+
+    @requires("local", "READ")
+    def test_handles_are_distinct(self, backend, local_buffer, wait_for):
+        src, dst = local_buffer(1024, seed=1), local_buffer(1024)
+        sp, dp = backend.prep(None, src.blocks(64, range(16))), backend.prep(None, dst.blocks(64, range(16)))
+        handles = [backend.transfer(Op.READ, dp, [i], sp, [i]) for i in range(16)]
+        assert len(set(handles)) == len(handles), "two live transfers share a handle"
+        for h in handles:
+            expect_done(backend, h, wait_for)
+        assert_bytes(dst.read(), src.read())

@@ -1,0 +1,169 @@
+"""Faults: a peer process frozen, killed mid-transfer or gone; a handshake
+with nobody there.  Transfers end in ERR (with a ``TransferError`` cause)
+within the backend's ``timeout``, nothing hangs, and the agent goes on
+serving its other peers.
+
+These tests run their backends with ``timeout = fault_timeout`` (5 s) so a
+missed detection shows up quickly.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import ClassVar
+
+import numpy as np
+import pytest
+from kvt.errors import HandshakeTimeout, KvtError, TransferError
+from kvt.handshake import request
+from kvt.types import Op
+
+from ..buffers import pattern
+from ..fixtures import BackendFixtures, expect_done, settle, settle_all
+from ..requirements import requires
+from ._common import assert_bytes
+
+BLOCK, N = 4096, 64
+
+
+class FaultTests(BackendFixtures):
+    area = "faults"
+    #: the ``timeout`` option of every backend these tests create
+    fault_timeout: ClassVar[float] = 5.0
+
+    @pytest.fixture
+    def backend(self, make_backend):
+        return make_backend(timeout=self.fault_timeout)
+
+    @pytest.fixture
+    def wait_for(self) -> float:
+        """Detection must happen within the timeout; the slack covers a loaded machine."""
+        return self.fault_timeout * 1.5 + 3.0
+
+    def _victim(self, backend, spawn_peer):
+        """A dedicated peer with a registered, filled buffer, loaded by ``backend``."""
+        victim = spawn_peer(timeout=self.fault_timeout)
+        buf = victim.alloc(BLOCK * N, seed=7)
+        return victim, buf, backend.add_remote(victim.metadata())
+
+    def _ops(self, target):
+        return [op for op in Op if op in target.caps.ops]
+
+    def _expect_refused(self, backend, target, lp, rp, ids, wait_for, who):
+        """Every declared op to ``who`` fails: a kvt error when posting, or ERR
+        (with a TransferError cause) within the timeout, all at once."""
+        posted = []
+        for op in self._ops(target):
+            try:
+                posted.append((op, backend.transfer(op, lp, ids, rp, ids)))
+            except KvtError:
+                pass
+        for (op, _), state in zip(posted, settle_all(backend, [h for _, h in posted], wait_for)):
+            assert state.failed, f"{op.value} to {who} ended {state!r}"
+            assert isinstance(state.cause, TransferError), f"ERR cause {state.cause!r} is not a TransferError"
+
+    @requires("remote")
+    def test_peer_killed_mid_transfer(self, backend, local_buffer, spawn_peer, peer, target, wait_for):
+        victim, vbuf, vname = self._victim(backend, spawn_peer)
+        near = local_buffer(BLOCK * N, seed=8)
+        ids = np.arange(N)
+        lp, rp = backend.prep(None, near.blocks(BLOCK, ids)), backend.prep(vname, vbuf.blocks(BLOCK, ids))
+        chunks = np.array_split(ids, 4)
+        victim.stop()  # frozen first, so the transfers are surely in flight when it dies
+        posted = [(op, c, backend.transfer(op, lp, c, rp, c)) for op in self._ops(target) for c in chunks]
+        time.sleep(0.2)
+        victim.kill()
+        want = pattern(7, BLOCK * N).reshape(N, BLOCK)
+        states = settle_all(backend, [h for _, _, h in posted], wait_for)  # all within one timeout
+        for (op, chunk, _), state in zip(posted, states):
+            if state.failed:
+                assert isinstance(state.cause, TransferError), f"ERR cause {state.cause!r} is not a TransferError"
+            elif op is Op.READ:  # it finished before the kill: then the data must be there
+                assert_bytes(near.read().reshape(N, BLOCK)[chunk], want[chunk], "READ reported DONE")
+        # the peer is certainly dead now: a new transfer must fail, not report stale success
+        self._expect_refused(backend, target, lp, rp, chunks[0], wait_for, "a dead peer")
+        self._still_serves(backend, local_buffer, peer, target, wait_for)
+
+    def _still_serves(self, backend, local_buffer, peer, target, wait_for):
+        op = self._ops(target)[0]
+        far = peer.alloc(BLOCK * 4, seed=9 if op is Op.READ else None)
+        near = local_buffer(BLOCK * 4, seed=None if op is Op.READ else 9)
+        name = backend.add_remote(peer.metadata())
+        lp, rp = backend.prep(None, near.blocks(BLOCK, range(4))), backend.prep(name, far.blocks(BLOCK, range(4)))
+        expect_done(backend, backend.transfer(op, lp, None, rp, None), wait_for)
+        assert_bytes(near.read(), far.read(), "transfer with a healthy peer after the fault")
+        if target.caps.notifications:
+            backend.notify(name, b"still here")
+            assert peer.take_notifs(backend.agent_name, 1, wait_for) == [b"still here"]
+
+    @requires("remote")
+    def test_transfer_posts_while_peer_frozen(self, backend, local_buffer, spawn_peer, target, wait_for):
+        """``transfer`` returns without waiting for a peer that does not answer;
+        the transfer completes once the peer runs again."""
+        victim, vbuf, vname = self._victim(backend, spawn_peer)
+        op = self._ops(target)[0]
+        near = local_buffer(BLOCK * N, seed=None if op is Op.READ else 8)
+        ids = np.arange(N)
+        lp, rp = backend.prep(None, near.blocks(BLOCK, ids)), backend.prep(vname, vbuf.blocks(BLOCK, ids))
+        posted: list = []
+        victim.stop()
+        try:
+            poster = threading.Thread(target=lambda: posted.append(backend.transfer(op, lp, None, rp, None)),
+                                      daemon=True)
+            poster.start()
+            poster.join(self.fault_timeout / 2)
+            assert posted, "transfer() blocked while the peer was not answering; it must return at once"
+        finally:
+            victim.resume()
+        expect_done(backend, posted[0], wait_for)
+        assert_bytes(near.read(), vbuf.read())
+
+    @requires("remote")
+    def test_remove_remote_ends_in_flight_transfers(self, backend, local_buffer, spawn_peer, target, wait_for):
+        victim, vbuf, vname = self._victim(backend, spawn_peer)
+        near = local_buffer(BLOCK * N)
+        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
+        victim.stop()
+        try:
+            h = backend.transfer(self._ops(target)[0], lp, None, rp, None)
+            backend.remove_remote(vname)
+            state = settle(backend, h, wait_for)
+        finally:
+            victim.resume()
+        assert state.failed or state.done, state
+        if state.failed:
+            assert isinstance(state.cause, TransferError)
+
+    @requires("remote")
+    def test_transfer_to_exited_peer(self, backend, local_buffer, spawn_peer, peer, target, wait_for):
+        victim, vbuf, vname = self._victim(backend, spawn_peer)
+        near = local_buffer(BLOCK * N)
+        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
+        victim.close()
+        assert not victim.alive()
+        self._expect_refused(backend, target, lp, rp, None, wait_for, "an exited peer")
+        assert not near.read().any(), "bytes arrived from a peer that had exited"
+        self._still_serves(backend, local_buffer, peer, target, wait_for)
+
+    def test_handshake_with_nobody_there(self, backend):
+        with socket.socket() as s:  # a port that was free a moment ago: nobody listens there
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(HandshakeTimeout):
+            request(f"tcp://127.0.0.1:{port}", backend.local_metadata(), 1.0)
+        assert time.monotonic() - start < 1.0 + 4.0, "the handshake outlived its timeout"
+
+    @requires("remote")
+    def test_handshake_with_frozen_peer(self, backend, spawn_peer):
+        victim = spawn_peer(timeout=self.fault_timeout)
+        endpoint = victim.serve_metadata()
+        victim.stop()
+        try:
+            with pytest.raises(HandshakeTimeout):
+                request(endpoint, backend.local_metadata(), 1.0)
+        finally:
+            victim.resume()
+        assert isinstance(backend.add_remote(request(endpoint, b"again", 10.0)), str)

@@ -1,0 +1,118 @@
+"""Notifications: standalone and attached to a transfer, an attached one
+arriving only after its data, in order per peer, up to the declared size."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from kvt.agent import poll_until
+from kvt.errors import KvtTimeoutError
+from kvt.types import Op
+
+from ..fixtures import BackendFixtures, expect_done
+from ..requirements import requires
+from ._common import assert_bytes
+
+
+def collect(backend, sender: str, count: int, timeout: float) -> list[bytes]:
+    """Poll ``get_notifs`` until ``count`` messages from ``sender`` arrived
+    (fewer if ``timeout`` runs out); messages from others are ignored."""
+    got: list[bytes] = []
+
+    def enough() -> bool:
+        got.extend(backend.get_notifs().get(sender, ()))
+        return len(got) >= count
+
+    try:
+        poll_until(enough, timeout, "notifications")
+    except KvtTimeoutError:
+        pass
+    return got
+
+
+@requires("notifications")
+class NotificationTests(BackendFixtures):
+    area = "notifications"
+    block = 4096
+    nblocks = 64
+
+    def test_standalone(self, backend, peer, wait_for):
+        name = backend.add_remote(peer.metadata())
+        backend.notify(name, b"hello")
+        assert peer.take_notifs(backend.agent_name, 1, wait_for) == [b"hello"]
+
+    def test_in_order_per_peer(self, backend, peer, wait_for):
+        name = backend.add_remote(peer.metadata())
+        msgs = [b"msg-%04d" % i for i in range(200)]
+        for m in msgs:
+            backend.notify(name, m)
+        assert peer.take_notifs(backend.agent_name, len(msgs), wait_for) == msgs
+
+    def test_from_peer_in_order(self, backend, peer, wait_for):
+        peer.load(backend)
+        msgs = [b"back-%03d" % i for i in range(100)]
+        peer.notify(backend.agent_name, msgs)
+        assert collect(backend, peer.name, len(msgs), wait_for) == msgs
+
+    def test_two_senders_each_in_order(self, backend, make_backend, peer, wait_for):
+        other = make_backend()
+        md = peer.metadata()
+        a, b = backend.add_remote(md), other.add_remote(md)
+        for i in range(50):
+            backend.notify(a, b"a%d" % i)
+            other.notify(b, b"b%d" % i)
+        assert peer.take_notifs(backend.agent_name, 50, wait_for) == [b"a%d" % i for i in range(50)]
+        assert peer.take_notifs(other.agent_name, 50, wait_for) == [b"b%d" % i for i in range(50)]
+
+    def test_largest_declared_message(self, backend, peer, target, wait_for):
+        size = min(target.caps.max_notif_bytes, 1 << 20)
+        msg = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes()
+        backend.notify(backend.add_remote(peer.metadata()), msg)
+        assert peer.take_notifs(backend.agent_name, 1, wait_for) == [msg]
+
+    def test_nothing_pending_is_empty(self, backend):
+        assert not any(backend.get_notifs().values())
+
+    @requires("WRITE")
+    def test_attached_to_write_arrives_after_its_data(self, backend, local_buffer, peer, wait_for):
+        size = self.block * self.nblocks
+        src, dst = local_buffer(size, seed=31), peer.alloc(size)
+        name = backend.add_remote(peer.metadata())
+        ids = np.arange(self.nblocks)
+        lp, rp = backend.prep(None, src.blocks(self.block, ids)), backend.prep(name, dst.blocks(self.block, ids))
+        # the peer starts watching before the write is posted
+        snap: list = []
+        watcher = threading.Thread(target=lambda: snap.append(
+            peer.snapshot_on_notif(backend.agent_name, b"written", dst.key, wait_for)), daemon=True)
+        watcher.start()
+        handle = backend.transfer(Op.WRITE, lp, None, rp, None, notif=b"written")
+        expect_done(backend, handle, wait_for)
+        watcher.join(wait_for + 35)
+        assert snap and snap[0] is not None, "the notification attached to the WRITE never arrived"
+        assert_bytes(np.frombuffer(snap[0], np.uint8), src.read(), "peer memory when the notification arrived")
+
+    @requires("READ")
+    def test_attached_to_read(self, backend, local_buffer, peer, wait_for):
+        size = self.block * self.nblocks
+        dst, src = local_buffer(size), peer.alloc(size, seed=32)
+        name = backend.add_remote(peer.metadata())
+        ids = np.arange(self.nblocks)
+        lp, rp = backend.prep(None, dst.blocks(self.block, ids)), backend.prep(name, src.blocks(self.block, ids))
+        handle = backend.transfer(Op.READ, lp, None, rp, None, notif=b"read-done")
+        expect_done(backend, handle, wait_for)
+        assert_bytes(dst.read(), src.read())
+        assert peer.take_notifs(backend.agent_name, 1, wait_for) == [b"read-done"]
+
+    @requires("local", "READ")
+    def test_attached_to_local_transfer(self, backend, local_buffer, wait_for):
+        """A local transfer's notification comes to this agent, after the data."""
+        size = self.block * self.nblocks
+        src, dst = local_buffer(size, seed=33), local_buffer(size)
+        ids = np.arange(self.nblocks)
+        sp, dp = backend.prep(None, src.blocks(self.block, ids)), backend.prep(None, dst.blocks(self.block, ids))
+        backend.transfer(Op.READ, dp, None, sp, None, notif=b"local-done")
+        got = collect(backend, backend.agent_name, 1, wait_for)
+        snapshot = dst.read()  # first thing after the notification
+        assert got == [b"local-done"]
+        assert_bytes(snapshot, src.read(), "destination when the notification arrived")

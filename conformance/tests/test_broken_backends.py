@@ -1,0 +1,102 @@
+"""The suite can fail: run every suite on the example backend and on
+deliberately broken doubles of it (broken_backends.py), in one pytest
+subprocess, and check that each double fails the tests meant to catch its
+breakage while the suites that do not depend on that contract still pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+RUNNER = '''
+import pytest
+import kvt_conformance as kc
+import broken_backends as bb
+
+
+def _wait_for(self):
+    return 3.0  # the doubles never deliver what some tests wait for: do not wait long
+
+
+for _v in bb.VARIANTS:
+    for _suite in kc.ALL_SUITES:
+        _name = f"Test{_v.__name__}_{_suite.__name__}"
+        globals()[_name] = type(_name, (_suite,), {"backend_target": _v, "backend_options": {"timeout": 2.0},
+                                                   "wait_for": pytest.fixture(_wait_for)})
+'''
+
+OUTSIDE_REGIONS = [f"ErrorTests::test_local_descriptors_outside_registered_memory[{c}]"
+                   for c in ("unregistered", "past-the-end", "before-the-start", "deregistered")] + \
+                  [f"ErrorTests::test_peer_descriptors_outside_registered_memory[{c}]"
+                   for c in ("unregistered", "past-the-end", "one-bad-row-of-many")]
+NOTIFICATION_TESTS = [f"NotificationTests::{t}" for t in (
+    "test_standalone", "test_in_order_per_peer", "test_from_peer_in_order", "test_two_senders_each_in_order",
+    "test_largest_declared_message", "test_attached_to_write_arrives_after_its_data", "test_attached_to_read",
+    "test_attached_to_local_transfer")]
+
+#: variant -> (tests that must fail, areas and tests that must still pass)
+EXPECT = {
+    "BrokenEarlyDone": (
+        ["CompletionTests::test_never_done_before_the_data[local-READ-DRAM]",
+         "CompletionTests::test_never_done_before_the_data[local-WRITE-DRAM]",
+         "TransferTests::test_single_block[local-READ-DRAM]", "TransferTests::test_single_block[local-WRITE-DRAM]",
+         "EngineScenarioTests::test_scheduler_drives_prefill_and_decode"],
+        ["registration", *OUTSIDE_REGIONS, "NotificationTests::test_standalone",
+         "NotificationTests::test_in_order_per_peer", "MetadataTests::test_reload_refreshes_registrations"]),
+    "BrokenNoBoundsCheck": (
+        [*OUTSIDE_REGIONS, "RegistrationTests::test_registered_memory_is_the_only_preppable_memory[DRAM]",
+         "RegistrationTests::test_overlapping_regions", "MetadataTests::test_reload_refreshes_registrations"],
+        ["transfers", "completion", "notifications", "concurrency", "engine", "faults", "descriptors"]),
+    "BrokenDropsNotifs": (
+        [*NOTIFICATION_TESTS, "ConcurrencyTests::test_notify_from_several_threads",
+         "EngineScenarioTests::test_scheduler_drives_prefill_and_decode"],
+        ["registration", "descriptors", "transfers", "completion", "metadata", "errors", "faults",
+         "ConcurrencyTests::test_many_in_flight[local-READ]", "NotificationTests::test_nothing_pending_is_empty"]),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, dict[str, tuple[str, str]]]:
+    """variant -> {"Suite::test[params]": (area, outcome)} from one run of every suite on every variant."""
+    work = tmp_path_factory.mktemp("broken")
+    (work / "test_variants.py").write_text(RUNNER)
+    report = work / "report.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "test_variants.py", "-q", "-p", "no:cacheprovider",
+                           f"--kvt-report={report}", "--timeout=120"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    assert report.exists(), f"the run wrote no report:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    out: dict[str, dict[str, tuple[str, str]]] = {}
+    for t in json.loads(report.read_text())["tests"]:
+        cls, test = t["nodeid"].split("::", 2)[1:]
+        variant, suite = cls.removeprefix("Test").split("_", 1)
+        out.setdefault(variant, {})[f"{suite}::{test}"] = (t["area"], t["outcome"])
+    return out
+
+
+def _failed(results: dict[str, tuple[str, str]]) -> set[str]:
+    return {k for k, (_, outcome) in results.items() if outcome in ("failed", "error")}
+
+
+def test_the_unbroken_example_passes(outcomes):
+    assert not _failed(outcomes["ExampleBackend"]), sorted(_failed(outcomes["ExampleBackend"]))
+
+
+@pytest.mark.parametrize("variant", list(EXPECT))
+def test_each_broken_variant_fails_the_tests_meant_to_catch_it(outcomes, variant):
+    must_fail, must_pass = EXPECT[variant]
+    results, control = outcomes[variant], _failed(outcomes["ExampleBackend"])
+    failed = _failed(results) - control  # failures the control has too are not this variant's doing
+    missed = [t for t in must_fail if t not in failed]
+    assert not missed, f"{variant} was not caught by {missed}"
+    should_pass = {k for k, (area, _) in results.items() if area in must_pass or k in must_pass}
+    assert should_pass, f"nothing selected by {must_pass}"
+    wrongly = sorted(failed & should_pass)
+    assert not wrongly, f"{variant} broke tests unrelated to its breakage: {wrongly}"

@@ -1,0 +1,188 @@
+"""What a benchmark run measures: its cases, and how long each is timed.
+
+A ``Case`` is one row of the result table: an operation over ``inflight``
+requests posted at once, each moving ``batch`` blocks of ``block`` bytes.
+Three groups of cases:
+
+* ``sweep``    block size x batch size (bounded by ``max_bytes`` per request)
+* ``inflight`` 1, 8, 64 requests in flight at once, one block shape
+* ``scale``    1,000 -> 100,000 small blocks in one request
+
+Block ids: the initiator's blocks are contiguous, the target's a random
+permutation with no two consecutive ids next to each other, so no backend
+(and not the memcpy baseline either) can merge neighbouring blocks into one
+bigger copy.  Every process derives the same ids from the case alone.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from ..types import Op
+
+__all__ = ["Case", "Ids", "Plan", "make_plan", "parse_size", "format_size", "GROUPS"]
+
+GROUPS = ("sweep", "inflight", "scale")
+KiB, MiB = 1 << 10, 1 << 20
+_UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB, "M": MiB, "MB": MiB, "MIB": MiB,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str | int) -> int:
+    """``"4K"`` / ``"4KiB"`` -> 4096, ``"64M"`` -> 67108864 (binary units); positive."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(text))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise InvalidArgument(f"size {text!r} is not a number with an optional unit (B, K, M, G), e.g. 64K")
+        value = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value <= 0:
+        raise InvalidArgument(f"size {text!r} must be positive")
+    return value
+
+
+def format_size(n: int) -> str:
+    """4096 -> ``4K``, 67108864 -> ``64M``; other values in bytes."""
+    for unit, size in (("G", 1 << 30), ("M", MiB), ("K", KiB)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+class Ids(NamedTuple):
+    """Block ids of a case: ``local[r]`` pairs with ``remote[r]`` for request ``r``."""
+
+    local: np.ndarray   #: ``(inflight, batch)`` int64, contiguous
+    remote: np.ndarray  #: ``(inflight, batch)`` int64, scattered
+
+
+@dataclass(frozen=True)
+class Case:
+    group: str
+    op: Op
+    block: int         #: bytes per block
+    batch: int         #: blocks per request
+    inflight: int = 1  #: requests posted before waiting for any
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved by one timed iteration (all requests)."""
+        return self.block * self.batch * self.inflight
+
+    @property
+    def key(self) -> tuple:
+        return (self.group, self.op.value, self.block, self.batch, self.inflight)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "op": self.op.value, "bytes": self.nbytes}
+
+    def ids(self) -> Ids:
+        """The block ids every engine uses for this case (deterministic)."""
+        pool = self.batch * self.inflight
+        rng = np.random.default_rng([self.block, self.batch, self.inflight])
+        remote = rng.permutation(pool)
+        for _ in range(64):  # a random permutation has no +1 step with probability ~1/e
+            if not (np.diff(remote) == 1).any():
+                break
+            remote = rng.permutation(pool)
+        else:
+            remote = np.arange(pool)[::-1].copy()
+        shape = (self.inflight, self.batch)
+        return Ids(np.arange(pool, dtype=np.int64).reshape(shape), remote.astype(np.int64).reshape(shape))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The cases and the timing policy of one run (picklable: sent to every process)."""
+
+    cases: tuple[Case, ...]
+    budget: float = 0.5     #: seconds of timed iterations per case (after warm-up)
+    warmup: int = 2         #: untimed iterations per case
+    min_iters: int = 5      #: timed iterations per case, even past the budget
+    max_iters: int = 2000   #: timed iterations per case, even within the budget
+    timeout: float = 60.0   #: seconds one iteration may take before the case fails
+    meta: dict = field(default_factory=dict)  #: how the plan was built (for the JSON)
+
+    @property
+    def arena(self) -> int:
+        """Bytes of buffer each side needs: the largest case's pool of blocks."""
+        return max(c.nbytes for c in self.cases)
+
+    @property
+    def block_sizes(self) -> list[int]:
+        return sorted({c.block for c in self.cases})
+
+    def describe(self) -> dict:
+        return {"budget_s": self.budget, "warmup": self.warmup, "min_iters": self.min_iters,
+                "max_iters": self.max_iters, "timeout_s": self.timeout, "arena_bytes": self.arena,
+                "cases": len(self.cases), **self.meta}
+
+
+#: the defaults of a full run, and what ``--quick`` changes
+FULL = dict(blocks=[4 * KiB << (2 * i) for i in range(8)],  # 4K, 16K, ... 64M
+            batches=[1, 8, 64, 512, 4096], max_bytes=256 * MiB,
+            inflight=[1, 8, 64], inflight_shape=(64 * KiB, 64),
+            scale=[1000, 10000, 100000], scale_block=4 * KiB,
+            budget=0.5, warmup=2, min_iters=5, scaling_ops=2)
+# quick: the in-flight and scale rows for the first op only (READ unless --ops says otherwise)
+QUICK = dict(FULL, blocks=[4 * KiB, 64 * KiB, MiB, 16 * MiB], batches=[1, 64, 1024], max_bytes=64 * MiB,
+             inflight_shape=(64 * KiB, 16), budget=0.05, warmup=1, min_iters=3, scaling_ops=1)
+
+
+def _positive(values: Iterable[int], what: str) -> list[int]:
+    out = sorted(set(int(v) for v in values))
+    if not out or out[0] <= 0:
+        raise InvalidArgument(f"{what} must be positive integers, got {list(values)}")
+    return out
+
+
+def make_plan(quick: bool = False, *, groups: Sequence[str] = GROUPS, ops: Sequence[Op | str] = (Op.READ, Op.WRITE),
+              **overrides) -> Plan:
+    """Build the plan; ``overrides`` replace keys of ``FULL`` / ``QUICK``
+    (``blocks``, ``batches``, ``max_bytes``, ``inflight``, ``inflight_shape``,
+    ``scale``, ``scale_block``, ``scaling_ops`` (how many of ``ops`` the
+    in-flight and scale groups use), ``budget``, ``warmup``, ``min_iters``) and
+    the ``Plan`` fields ``max_iters`` and ``timeout``; ``None`` keeps the default."""
+    base = QUICK if quick else FULL
+    unknown = set(overrides) - set(base) - {"max_iters", "timeout"}
+    if unknown:
+        raise InvalidArgument(f"unknown plan settings {sorted(unknown)}; valid: {sorted(base)}")
+    s = {**base, **{k: v for k, v in overrides.items() if v is not None}}
+    bad = [g for g in groups if g not in GROUPS]
+    if bad or not groups:
+        raise InvalidArgument(f"groups must be among {list(GROUPS)}, got {list(groups)}")
+    try:
+        ops = [Op(o.upper() if isinstance(o, str) else o) for o in ops]
+    except ValueError:
+        raise InvalidArgument(f"ops must be READ and/or WRITE, got {list(ops)}") from None
+    blocks, batches = _positive(s["blocks"], "block sizes"), _positive(s["batches"], "batch sizes")
+    ib, ibatch = (int(v) for v in s["inflight_shape"])
+    scale_block = int(s["scale_block"])
+    if min(ib, ibatch, scale_block) <= 0:
+        raise InvalidArgument(f"block shapes must be positive, got inflight_shape={s['inflight_shape']}, "
+                              f"scale_block={scale_block}")
+    cases: list[Case] = []
+    if "sweep" in groups:
+        cases += [Case("sweep", op, b, n) for b in blocks for n in batches if b * n <= s["max_bytes"] for op in ops]
+    if "inflight" in groups:
+        cases += [Case("inflight", op, ib, ibatch, k)
+                  for k in _positive(s["inflight"], "in-flight counts") for op in ops[:s["scaling_ops"]]]
+    if "scale" in groups:
+        cases += [Case("scale", op, scale_block, n)
+                  for n in _positive(s["scale"], "scaling block counts") for op in ops[:s["scaling_ops"]]]
+    if not cases:
+        raise InvalidArgument(f"the plan is empty: no block size x batch fits max_bytes={s['max_bytes']}")
+    for name in ("budget", "timeout"):
+        if name in s and not s[name] > 0:
+            raise InvalidArgument(f"{name} must be a positive number of seconds, got {s[name]}")
+    if s["warmup"] < 0 or s["min_iters"] < 1:
+        raise InvalidArgument(f"warmup must be >= 0 and min_iters >= 1, got {s['warmup']}, {s['min_iters']}")
+    timing = {k: s[k] for k in ("budget", "warmup", "min_iters", "max_iters", "timeout") if k in s}
+    meta = {"quick": quick, "groups": list(groups), "ops": [o.value for o in ops], "max_bytes": s["max_bytes"]}
+    return Plan(cases=tuple(cases), meta=meta, **timing)

@@ -1,0 +1,166 @@
+"""``kvt bench``: bandwidth and latency of every backend, side by side with a
+memcpy of the same blocks and with the same transfers written directly
+against NIXL's ``nixl_agent``.
+
+Each backend (and raw NIXL) runs an initiator and a target in two fresh
+processes, like a decode and a prefill worker.  ``--backend`` takes a
+comma-separated list (default: every installed backend; those not usable
+here are skipped with the reason); ``-o`` options apply to each of them.
+See docs/performance.md for what every figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from .. import registry
+from ..errors import BackendNotFound, InvalidArgument
+from . import add_config_arguments, config_from_args
+
+__all__ = ["register", "run", "engine_specs"]
+
+_BASELINES = ("memcpy", "raw-nixl")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="bandwidth/latency sweep of the backends vs memcpy and raw NIXL",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small sweep that finishes in a minute or two")
+    p.add_argument("--baselines", default=",".join(_BASELINES), metavar="LIST",
+                   help="baselines to run: memcpy, raw-nixl (where nixl is installed), or none; default: both")
+    p.add_argument("--ops", default="read,write", metavar="LIST", help="READ and/or WRITE (default: both)")
+    p.add_argument("--groups", default="sweep,inflight,scale", metavar="LIST",
+                   help="sweep (block size x batch), inflight (1/8/64 requests at once), "
+                        "scale (1,000 -> 100,000 blocks per transfer); default: all")
+    sweep = p.add_argument_group("the cases (defaults depend on --quick)")
+    sweep.add_argument("--block-sizes", metavar="LIST", help="e.g. 4K,64K,1M,16M,64M")
+    sweep.add_argument("--batches", metavar="LIST", help="blocks per request, e.g. 1,8,64,512,4096")
+    sweep.add_argument("--max-bytes", metavar="SIZE", help="skip sweep cases moving more per request (256M)")
+    sweep.add_argument("--inflight", metavar="LIST", help="requests in flight at once (1,8,64)")
+    sweep.add_argument("--scale", metavar="LIST", help="blocks per transfer of the scaling rows (1000,10000,100000)")
+    timing = p.add_argument_group("timing")
+    timing.add_argument("--budget", type=float, metavar="S", help="seconds of timed iterations per case")
+    timing.add_argument("--warmup", type=int, metavar="N", help="untimed iterations per case")
+    timing.add_argument("--min-iters", type=int, metavar="N", help="timed iterations per case at least")
+    timing.add_argument("--timeout", type=float, metavar="S", help="seconds one iteration may take (60)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write every row and the run's settings as JSON")
+    out.add_argument("--plot", metavar="FILE.png", help="plot bandwidth vs block size per backend")
+    out.add_argument("--markdown", metavar="FILE", help="write the tables as GitHub markdown (for docs)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _list(text: str | None, convert=str) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [convert(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgument(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _plan(args: argparse.Namespace):
+    from ..bench import make_plan, parse_size
+
+    sizes = _list(args.block_sizes, parse_size)
+    max_bytes = parse_size(args.max_bytes) if args.max_bytes else None
+    return make_plan(args.quick, groups=_list(args.groups), ops=_list(args.ops), blocks=sizes,
+                     batches=_list(args.batches, int), max_bytes=max_bytes, inflight=_list(args.inflight, int),
+                     scale=_list(args.scale, int), budget=args.budget, warmup=args.warmup,
+                     min_iters=args.min_iters, timeout=args.timeout)
+
+
+def engine_specs(args: argparse.Namespace) -> list:
+    """Baselines first, then the backends, as ``EngineSpec``s.  Imports no plugin:
+    whether a backend is usable is learnt in its own processes."""
+    from ..bench import MEMCPY, RAW_NIXL, EngineSpec
+
+    baselines = [] if args.baselines.strip() == "none" else _list(args.baselines)
+    bad = [b for b in baselines if b not in _BASELINES]
+    if bad:
+        raise InvalidArgument(f"unknown baseline(s) {bad}; choose from {list(_BASELINES)} or none")
+    specs = []
+    if MEMCPY in baselines:
+        specs.append(EngineSpec(MEMCPY, "memcpy"))
+    if RAW_NIXL in baselines and importlib.util.find_spec("nixl") is not None:
+        specs.append(EngineSpec(RAW_NIXL, "raw-nixl", required=False))
+    installed = [b.name for b in registry.list_backends()]
+    names = _list(args.backend) if args.backend else installed
+    for name in names:
+        if name not in installed:
+            raise BackendNotFound(f"no installed kvt backend {name!r} (installed: {', '.join(installed) or 'none'}); "
+                                  "see `kvt backends`")
+        config = config_from_args(argparse.Namespace(**{**vars(args), "backend": name}))
+        specs.append(EngineSpec(name, "kvt", config, required=bool(args.backend)))
+    if not specs:
+        raise InvalidArgument("nothing to run: no backend installed and no baseline selected")
+    return specs
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench import add_ratios, format_size, report, run_engine
+
+    plan = _plan(args)
+    specs = engine_specs(args)
+    if args.plot and "sweep" not in plan.meta["groups"]:
+        raise InvalidArgument("--plot draws the sweep group; add sweep to --groups")
+    err = Console(stderr=True)
+    before, started = report.machine(), time.time()
+    err.print(f"kvt bench: {len(plan.cases)} cases x {len(specs)} engines "
+              f"({', '.join(s.name for s in specs)}); {before['cpus']} CPUs, "
+              f"load average {before['loadavg'][0]:.2f}", style="dim", highlight=False)
+    outcomes = []
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err, disable=args.no_progress, transient=True)
+    with progress:
+        task = progress.add_task("starting", total=len(plan.cases) * len(specs))
+        for spec in specs:
+            progress.update(task, description=f"{spec.name}: starting processes")
+
+            def on_row(row: dict, spec=spec) -> None:
+                progress.update(task, advance=1, description=f"{spec.name}: {row['group']} {row['op']} "
+                                f"{format_size(row['block'])} x {row['batch']} x {row['inflight']}")
+
+            outcome = run_engine(spec, plan, on_row)
+            progress.update(task, advance=len(plan.cases) - len(outcome.rows))
+            outcomes.append(outcome)
+    engines = [o.spec.name for o in outcomes if o.rows]  # skipped and failed engines get no column
+    rows = report.ordered(add_ratios(r for o in outcomes for r in o.rows), plan, engines)
+    # a pipe or file gets the whole table, not one squeezed to 80 columns
+    console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
+    console.print(report.table(rows, title=f"kvt bench ({'quick' if args.quick else 'full'} sweep)"))
+    growth = report.growth_table(rows)
+    if growth is not None:
+        console.print(growth)
+    for o in outcomes:
+        if o.status != "ok":
+            console.print(Text.assemble((o.spec.name, "bold"), f" {o.status}: ",
+                                        (o.reason, "red" if o.status == "error" else "yellow")))
+    for r in rows:
+        if r["error"]:
+            console.print(Text(f"{r['engine']} {r['group']} {r['op']} {r['block']} B x {r['batch']} "
+                               f"x {r['inflight']}: {r['error']}", style="red"))
+    after = report.machine()
+    console.print(Text(f"{before['cpus']} CPUs; load average {before['loadavg'][0]:.2f} before, "
+                       f"{after['loadavg'][0]:.2f} after; GB/s = bytes per iteration / median latency", style="dim"))
+    if args.json:
+        report.write_json(args.json, report.document(plan, outcomes, rows, argv=sys.argv, started=started,
+                                                     options={k: v for k, v in vars(args).items() if k != "func"},
+                                                     finished=time.time(), machine_before=before))
+    if args.markdown:
+        report.write_text(args.markdown, report.markdown(rows, engines))
+    if args.plot:
+        report.plot(rows, args.plot, engines)
+    failed = any(o.status == "error" for o in outcomes) or any(r["error"] for r in rows)
+    return 1 if failed else 0

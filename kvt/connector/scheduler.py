@@ -1,0 +1,226 @@
+"""Scheduler side of the connector: one per engine, next to its scheduler.
+
+It decides, per request, what the workers must do, and hands it to them as
+``ConnectorMetadata`` once per step.  It never touches the network.  Calls,
+in the order an engine makes them::
+
+    # decode engine, a new request carrying the prefill side's kv_transfer_params
+    n, load_async = sched.get_num_new_matched_tokens(req, num_computed_tokens)
+    ... allocate blocks for the prompt ...
+    sched.update_state_after_alloc(req, block_ids, n)
+    meta = sched.build_connector_meta()           # -> every worker's start_load_kv
+    ... workers' get_finished, combined with FinishedAggregator ...
+    sched.update_connector_output(done_sending, done_recving)
+
+    # prefill engine, a request with {"do_remote_decode": true}
+    sched.update_state_after_alloc(req, block_ids, 0)
+    ... prefill runs ...
+    delay_free, params = sched.request_finished(req, block_ids)
+    # params go back to the router; if delay_free, free the blocks only once
+    # the request id comes back from every worker in done_sending
+
+Requests are anything with ``request_id``, ``num_prompt_tokens`` and a
+mutable ``kv_transfer_params`` dict (``EngineRequest`` is a ready one).  Only
+whole blocks move: the tail of a prompt that does not fill a block is
+computed by the decode engine, so a prompt shorter than one block moves
+nothing and the prefill side frees it at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+from ..errors import InvalidArgument
+from .config import ConnectorConfig
+from .metadata import ConnectorMetadata, RecvRequest, RemoteSource, TransferParams
+
+__all__ = ["Request", "EngineRequest", "ConnectorScheduler", "FinishedAggregator"]
+
+
+class Request(Protocol):
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+
+
+@dataclass
+class EngineRequest:
+    """A minimal ``Request`` for engines without their own request object."""
+
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None = field(default=None)
+
+
+class ConnectorScheduler:
+    """Scheduler side of one engine."""
+
+    def __init__(self, config: ConnectorConfig):
+        self.config = config
+        self._endpoints = [config.endpoint(r) for r in range(config.tp_size)] if config.side_channel_port else []
+        self._to_recv: dict[str, RecvRequest] = {}
+        self._to_save: dict[str, list[int]] = {}
+        self._to_send: dict[str, float] = {}
+        self._loading: set[str] = set()
+        self._saved: dict[str, int] = {}  # host staging: blocks of each prefill request saved so far
+
+    def set_worker_endpoints(self, endpoints: Mapping[int, str]) -> None:
+        """The handshake endpoint of every rank (each worker's
+        ``register_kv_caches`` returns its own).  Needed unless
+        ``side_channel_port`` fixes them."""
+        if sorted(endpoints) != list(range(self.config.tp_size)):
+            raise InvalidArgument(f"need one endpoint per rank 0..{self.config.tp_size - 1}, got ranks "
+                                  f"{sorted(endpoints)}")
+        self._endpoints = [endpoints[r] for r in range(self.config.tp_size)]
+
+    # -- decode side ----------------------------------------------------------
+
+    def _source(self, request: Request) -> TransferParams | None:
+        """The request's params if it is to be read from a prefill engine;
+        ``InvalidArgument`` if they cannot be."""
+        p = TransferParams.parse(request.kv_transfer_params)
+        if p is None or not p.do_remote_prefill:
+            return None
+        if p.remote_block_ids and (why := p.source_problem()):
+            raise InvalidArgument(f"request {request.request_id!r}: {why}")
+        return p
+
+    def _end_block(self, request: Request, p: TransferParams) -> int:
+        """Blocks that come from the prefill side: the prompt's whole blocks."""
+        return min(request.num_prompt_tokens // self.config.kv.block_size, len(p.remote_block_ids))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` the prefill side provides,
+        and whether they load asynchronously (always, when there are any).
+        No side effects."""
+        p = self._source(request)
+        if p is None:
+            return 0, False
+        count = self._end_block(request, p) * self.config.kv.block_size - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """After the engine allocated ``block_ids`` (all of the request's
+        blocks, in token order) for ``num_external_tokens`` tokens to load.
+
+        Decode side: schedules the read (or, with no tokens to load — a full
+        prefix hit — only the notification that lets the prefill side free).
+        Prefill side with host staging: schedules the device -> host copy of
+        the blocks this step fills; call again, with all blocks, whenever more
+        are allocated (chunked prefill)."""
+        params, req_id = request.kv_transfer_params, request.request_id
+        if params and params.get("do_remote_decode"):
+            if self.config.staging and len(block_ids):
+                # blocks saved before stay as they were, except the last one, which may have grown
+                start = max(self._saved.get(req_id, 0) - 1, 0)
+                self._to_save[req_id] = list(dict.fromkeys([*self._to_save.get(req_id, ()), *block_ids[start:]]))
+                self._saved[req_id] = len(block_ids)
+            return
+        p = self._source(request)
+        if p is None:
+            return
+        end = self._end_block(request, p)
+        start = end - -(-max(num_external_tokens, 0) // self.config.kv.block_size)  # ceil: a partial block is re-read
+        if len(block_ids) < end or start < 0:
+            raise InvalidArgument(f"request {request.request_id!r}: {num_external_tokens} tokens to load need "
+                                  f"blocks {max(start, 0)}..{end - 1}, got {len(block_ids)} blocks")
+        params["do_remote_prefill"] = False  # one transfer per request
+        if p.remote_block_ids:
+            self._recv(request.request_id, p, list(block_ids[start:end]), p.remote_block_ids[start:end])
+
+    def _recv(self, req_id: str, p: TransferParams, local: list[int], remote: list[int]) -> None:
+        self._to_recv[req_id] = RecvRequest(local_block_ids=local, remote=RemoteSource(
+            engine_id=p.remote_engine_id, request_id=p.remote_request_id, block_ids=remote,
+            endpoints=p.endpoints(), tp_size=p.tp_size, expires_at=p.expires_at))
+        if local:
+            self._loading.add(req_id)
+
+    def update_connector_output(self, finished_sending: Iterable[str], finished_recving: Iterable[str]) -> None:
+        """The requests every worker reported finished this step."""
+        self._loading.difference_update(finished_recving)
+
+    # -- every step -----------------------------------------------------------
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """This step's work for the workers; resets it."""
+        meta = ConnectorMetadata(reqs_to_recv=self._to_recv, reqs_to_save=self._to_save, reqs_to_send=self._to_send)
+        self._to_recv, self._to_save, self._to_send = {}, {}, {}
+        return meta
+
+    # -- end of a request -----------------------------------------------------
+
+    def request_finished(self, request: Request, block_ids: Sequence[int], *,
+                         aborted: bool = False) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, kv_transfer_params)`` for a request that ended.
+
+        Prefill side: hold the blocks for the decode side (until it has read
+        them or ``abort_request_timeout`` passes) and return where to read
+        them; an aborted request, or one without a whole block, is freed now.
+        Decode side: ``delay_free`` while a read still writes into the blocks;
+        a request that ends before its read was scheduled tells the prefill
+        side to free now."""
+        req_id, params = request.request_id, request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):  # decode side, never scheduled
+            params["do_remote_prefill"] = False
+            try:
+                p = TransferParams.parse(params)
+            except InvalidArgument:
+                return False, None  # nothing we could have read, nobody to tell
+            if p.remote_block_ids and not p.source_problem():
+                self._recv(req_id, p, [], [])
+            return False, None
+        if req_id in self._loading:
+            return True, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        full = 0 if aborted else min(request.num_prompt_tokens // self.config.kv.block_size, len(block_ids))
+        if full and len(self._endpoints) != self.config.tp_size:
+            raise InvalidArgument("the prefill scheduler does not know its workers' endpoints; call "
+                                  "set_worker_endpoints (or set side_channel_port)")
+        self._saved.pop(req_id, None)
+        if aborted:
+            self._to_save.pop(req_id, None)
+            return False, None
+        expires_at = time.time() + self.config.abort_request_timeout if full else None
+        if full:
+            self._to_send[req_id] = expires_at
+        out = TransferParams(
+            do_remote_prefill=True, remote_block_ids=list(block_ids[:full]), remote_engine_id=self.config.engine_id,
+            remote_request_id=req_id, remote_host=self.config.side_channel_host,
+            remote_port=self.config.side_channel_port or None, tp_size=self.config.tp_size,
+            remote_endpoints=list(self._endpoints), expires_at=expires_at)
+        return bool(full), out.to_dict()
+
+    def outstanding(self) -> dict[str, int]:
+        """Work not yet handed to workers, and reads in flight."""
+        return {"to_recv": len(self._to_recv), "to_save": len(self._to_save), "to_send": len(self._to_send),
+                "loading": len(self._loading), "saving": len(self._saved)}
+
+
+class FinishedAggregator:
+    """Combines every worker's ``get_finished``: a request is finished for the
+    engine once all ``world_size`` workers have reported it."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._sending: Counter[str] = Counter()
+        self._recving: Counter[str] = Counter()
+
+    def update(self, per_worker: Iterable[tuple[Iterable[str], Iterable[str]]]) -> tuple[set[str], set[str]]:
+        done: tuple[set[str], set[str]] = (set(), set())
+        for sending, recving in per_worker:
+            for counts, ids, out in ((self._sending, sending, done[0]), (self._recving, recving, done[1])):
+                for req_id in ids:
+                    counts[req_id] += 1
+                    if counts[req_id] == self.world_size:
+                        del counts[req_id]
+                        out.add(req_id)
+        return done
+
+    def __len__(self) -> int:
+        return len(self._sending) + len(self._recving)

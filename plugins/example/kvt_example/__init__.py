@@ -1,0 +1,1 @@
+"""kvt's example backend: the smallest complete backend, to copy."""

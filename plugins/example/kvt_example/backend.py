@@ -1,0 +1,279 @@
+"""``example``: the smallest complete kvt backend, written to be copied.
+
+Agents of this backend reach each other inside one process only: a
+transfer is a ``memmove`` done by the initiator's worker thread, and an
+agent's "metadata" names it and lists its registered regions.  That keeps
+the plugin-specific part tiny while every verb of the protocol keeps its
+contract -- which is what a real backend replaces with calls into its
+network library:
+
+========================  ==============================  ==========================================
+verb                      here                            in a network backend
+========================  ==============================  ==========================================
+``register``              remember the rows               pin / register with the NIC, keep the key
+``local_metadata``        name, pid, region table         plus address, keys, connection info
+``add_remote``            decode, check same process      decode, open a connection lazily
+``prep``                  check rows lie in regions       build the native descriptor list
+``transfer``              queue a job on a worker thread  post the native READ/WRITE, return at once
+``check_state``           the job's state                 poll the native request
+``notify``                append to the peer's inbox      send a small message
+========================  ==============================  ==========================================
+
+Everything else -- argument checks, index pairing, typed errors -- comes
+from ``kvt.Backend``'s helpers and ``kvt.types.Descs``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+from kvt.backend import Backend
+from kvt.errors import (InvalidArgument, InvalidHandle, PeerDisconnected, RemoteRejected, TransferError,
+                        UnknownPeer, UnsupportedOperation, WireError)
+from kvt.types import Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState
+from kvt.wire import Message, decode, encode
+
+__all__ = ["ExampleBackend", "ExampleMetadata"]
+
+#: every open agent of this process, by name: how add_remote's names become agents
+_AGENTS: "weakref.WeakValueDictionary[str, ExampleBackend]" = weakref.WeakValueDictionary()
+_AGENTS_LOCK = threading.Lock()
+
+
+class ExampleMetadata(Message, tag="example_md"):
+    """What ``local_metadata`` returns (a kvt wire message, so it carries the
+    wire version and decodes with typed errors)."""
+
+    name: str
+    pid: int
+    regions: bytes  # (n, 3) uint64 rows (address, length, device) of registered DRAM
+
+
+def _rows(raw: bytes) -> Descs:
+    if len(raw) % 24:
+        raise WireError(f"region table of {len(raw)} bytes is not a whole number of (address, length, device) rows")
+    return Descs(np.frombuffer(raw, np.uint64).reshape(-1, 3))
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy every ``src`` row to its ``dst`` row.  One memmove per row: a
+    network backend hands both row arrays to its library in one call."""
+    for d, s, n in zip(dst[:, 0].tolist(), src[:, 0].tolist(), src[:, 1].tolist()):
+        ctypes.memmove(d, s, n)
+
+
+@dataclass
+class _Job:
+    op: Op
+    lrows: np.ndarray
+    rrows: np.ndarray
+    peer: str | None  # None: a local transfer
+    notif: bytes | None
+    state: XferState = XferState.PROC
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    future: Any = None
+
+    def finish(self, state: XferState) -> None:
+        with self.lock:  # the first outcome wins (completion, release, close)
+            if self.state.pending:
+                self.state = state
+
+
+class ExampleBackend(Backend):
+    """In-process agents, host memory only.  Options: ``timeout`` (seconds
+    ``release`` waits for a running job)."""
+
+    capabilities = Capabilities(mem_kinds=frozenset({MemKind.DRAM}), ops=frozenset(Op), notifications=True,
+                                local=True, remote=False, cross_host=False, max_notif_bytes=64 * 1024)
+
+    def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
+        super().__init__(agent_name, options)
+        self._lock = threading.Lock()
+        self._regs: dict[int, Descs] = {}
+        self._regions = Descs(np.zeros((0, 3), np.uint64))  # union of _regs, replaced wholesale
+        self._peers: dict[str, Descs] = {}                  # peer -> its regions, as its metadata said
+        self._preps: dict[int, tuple[str | None, Descs]] = {}
+        self._xfers: dict[int, _Job] = {}
+        self._notifs: dict[str, list[bytes]] = {}
+        # one worker: jobs run in the order posted, and never on the caller's thread
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvt-example:{agent_name}")
+        with _AGENTS_LOCK:
+            if agent_name in _AGENTS:
+                self._worker.shutdown()
+                raise InvalidArgument(f"an example agent named {agent_name!r} already exists in this process")
+            _AGENTS[agent_name] = self
+
+    # -- memory ---------------------------------------------------------------
+
+    def register(self, mem: Descs) -> RegHandle:
+        self._check_open()
+        descs = Descs.coerce(mem)
+        self._check_kind(descs.kind)
+        h = self._next_id()
+        with self._lock:
+            self._regs[h] = descs
+            self._rebuild()
+        return RegHandle(h)
+
+    def deregister(self, handle: RegHandle) -> None:
+        self._check_open()
+        with self._lock:
+            if self._regs.pop(handle, None) is None:
+                raise InvalidHandle(f"no registration with handle {handle!r} (already deregistered?)")
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        arrays = [d.array for d in self._regs.values()]
+        self._regions = Descs(np.concatenate(arrays) if arrays else np.zeros((0, 3), np.uint64))
+
+    # -- peers ----------------------------------------------------------------
+
+    def local_metadata(self) -> bytes:
+        self._check_open()
+        return encode(ExampleMetadata(name=self.agent_name, pid=os.getpid(), regions=self._regions.array.tobytes()))
+
+    def add_remote(self, metadata: bytes) -> str:
+        self._check_open()
+        md = decode(metadata, ExampleMetadata)  # WireError / VersionMismatch on bad bytes
+        if md.pid != os.getpid():
+            raise UnsupportedOperation(f"agent {md.name!r} lives in process {md.pid}; the example backend reaches "
+                                       "agents of its own process only (it declares remote=False)")
+        if md.name == self.agent_name:
+            raise InvalidArgument("that is this agent's own metadata; local transfers use prep(None, ...)")
+        self._peers[md.name] = _rows(md.regions)
+        return md.name
+
+    def remove_remote(self, peer: str) -> None:
+        self._check_open()
+        if self._peers.pop(peer, None) is None:
+            raise UnknownPeer(self._unknown(peer))
+        for job in list(self._xfers.values()):
+            if job.peer == peer:
+                job.finish(XferState.err(PeerDisconnected(f"peer {peer!r} was removed")))
+
+    def _peer_regions(self, peer: str) -> Descs:
+        regions = self._peers.get(peer)
+        if regions is None:
+            raise UnknownPeer(self._unknown(peer))
+        return regions
+
+    def _unknown(self, peer: str) -> str:
+        return f"unknown peer {peer!r}; add_remote its metadata first (known: {sorted(self._peers) or 'none'})"
+
+    # -- transfers ------------------------------------------------------------
+
+    def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
+        self._check_open()
+        descs = Descs.coerce(descs)
+        self._check_kind(descs.kind)
+        regions = self._regions if peer is None else self._peer_regions(peer)
+        descs.check_within(regions, "local descriptors" if peer is None else f"descriptors of peer {peer!r}")
+        h = self._next_id()
+        self._preps[h] = (peer, descs)
+        return PrepHandle(h)
+
+    def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
+                 remote_idx: Any, notif: bytes | None = None) -> XferHandle:
+        self._check_open()
+        op = self._check_op(op, notif)
+        (lpeer, ldescs), (rpeer, rdescs) = self._prep_of(local_prep), self._prep_of(remote_prep)
+        if lpeer is not None:
+            raise InvalidArgument("local_prep must describe this agent's memory: make it with prep(None, ...)")
+        if rpeer is not None:
+            self._peer_regions(rpeer)  # still known?
+        lrows, rrows = self._pair(ldescs, local_idx, rdescs, remote_idx)
+        job = _Job(op, lrows, rrows, rpeer, None if notif is None else bytes(notif))
+        h = self._next_id()
+        self._xfers[h] = job
+        job.future = self._worker.submit(self._run, job)
+        return XferHandle(h)
+
+    def _prep_of(self, handle: PrepHandle) -> tuple[str | None, Descs]:
+        try:
+            return self._preps[handle]
+        except (KeyError, TypeError):
+            raise InvalidHandle(f"no prepped descriptor list with handle {handle!r} (released?)") from None
+
+    def _run(self, job: _Job) -> None:
+        """On the worker thread: move the bytes, then deliver the notification."""
+        if not job.state.pending:
+            return  # released or removed before it started
+        target = self if job.peer is None else _AGENTS.get(job.peer)
+        if target is None or target._closed:
+            return job.finish(XferState.err(PeerDisconnected(f"peer {job.peer!r} is gone")))
+        # the target serves only memory registered now (it may have deregistered since its metadata)
+        if (Descs(job.rrows).locate(target._regions) < 0).any():
+            return job.finish(XferState.err(RemoteRejected(
+                f"{job.op.value} touches memory {target.agent_name!r} no longer has registered")))
+        src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
+        _copy(dst, src)
+        if job.notif is not None:
+            target._deliver(self.agent_name, job.notif)
+        job.finish(XferState.DONE)
+
+    def check_state(self, handle: XferHandle) -> XferState:
+        self._check_open()
+        return self._job(handle).state
+
+    def _job(self, handle: XferHandle) -> _Job:
+        try:
+            return self._xfers[handle]
+        except (KeyError, TypeError):
+            raise InvalidHandle(f"no transfer with handle {handle!r} (released?)") from None
+
+    def release(self, handle: XferHandle | PrepHandle) -> None:
+        self._check_open()
+        try:
+            if self._preps.pop(handle, None) is not None:
+                return
+            job = self._xfers.pop(handle)
+        except (KeyError, TypeError):
+            raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)") from None
+        job.finish(XferState.err(TransferError("released before completion")))
+        if not job.future.cancel():
+            wait([job.future], timeout=self.timeout)  # a running memmove cannot be interrupted
+
+    # -- notifications --------------------------------------------------------
+
+    def notify(self, peer: str, msg: bytes) -> None:
+        self._check_open()
+        self._check_notif(msg)
+        self._peer_regions(peer)
+        target = _AGENTS.get(peer)
+        if target is None or target._closed:
+            raise PeerDisconnected(f"peer {peer!r} is gone")
+        target._deliver(self.agent_name, bytes(msg))
+
+    def _deliver(self, sender: str, msg: bytes) -> None:
+        with self._lock:
+            self._notifs.setdefault(sender, []).append(msg)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        self._check_open()
+        with self._lock:
+            out, self._notifs = self._notifs, {}
+        return out
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for job in list(self._xfers.values()):
+            job.finish(XferState.err(TransferError("backend closed")))
+        self._worker.shutdown(wait=True)  # queued jobs see ERR and return at once
+        with _AGENTS_LOCK:
+            if _AGENTS.get(self.agent_name) is self:
+                del _AGENTS[self.agent_name]
+        self._xfers.clear()
+        self._preps.clear()
+        self._regs.clear()
+        self._peers.clear()

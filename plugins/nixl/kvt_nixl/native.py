@@ -1,0 +1,163 @@
+"""Everything that touches the ``nixl`` package directly, except the verbs:
+importing it lazily, asking whether it can run here, turning its
+exceptions into kvt errors, and creating an agent.
+
+The ``nixl`` import is deferred so that ``kvt backends`` can load this
+plugin and report *why* NIXL is unusable instead of failing to import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+from functools import lru_cache
+from typing import Any, Iterator, Mapping
+
+from kvt.errors import BackendUnavailable, ConfigError, KvtError, PeerDisconnected, TransferError
+from kvt.types import Availability
+
+__all__ = ["api", "availability", "cuda_present", "translate", "status_name", "temp_env",
+           "new_agent", "INIT_AGENT"]
+
+#: the name NIXL wants for the initiator's own side of a prepped transfer
+INIT_AGENT = "NIXL_INIT_AGENT"
+
+
+@lru_cache(maxsize=1)
+def _import() -> tuple[Any, BaseException | None]:
+    try:
+        from nixl import _api
+    except Exception as e:  # ImportError, or a broken wheel raising anything
+        return None, e
+    # nixl logs every agent creation at INFO on stdout; keep stdout for the
+    # program unless the operator asked for NIXL's logs.
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    return _api, None
+
+
+def api() -> Any:
+    """The ``nixl._api`` module (callers checked ``availability`` first)."""
+    mod, err = _import()
+    if mod is None:
+        raise ImportError(f"nixl is not importable: {err}") from err
+    return mod
+
+
+@lru_cache(maxsize=1)
+def availability() -> Availability:
+    """Usable, or exactly why not: nixl missing, or no UCX plugin found."""
+    mod, err = _import()
+    if mod is None:
+        return Availability(False, f"the 'nixl' package cannot be imported ({type(err).__name__}: {err}); "
+                                   "install it with `pip install nixl` (or `pip install -e plugins/nixl`)")
+    try:  # an agent without backends only lists plugins: cheap, no network
+        probe = mod.nixl_agent(f"kvt-nixl-probe-{os.getpid()}",
+                               mod.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        plugins = list(probe.get_plugin_list())
+    except RuntimeError as e:
+        if "No plugins" not in str(e):  # nixl_agent refuses to exist without any plugin
+            return Availability(False, f"nixl imported but could not create an agent: {e}")
+        plugins = []
+    except Exception as e:
+        return Availability(False, f"nixl imported but could not create an agent ({type(e).__name__}: {e}); "
+                                   "check NIXL_PLUGIN_DIR and the nixl installation")
+    if "UCX" not in plugins:
+        where = os.environ.get("NIXL_PLUGIN_DIR", "the nixl wheel's plugin directory")
+        return Availability(False, f"nixl found no UCX plugin in {where} (plugins found: "
+                                   f"{', '.join(plugins) or 'none'}); reinstall nixl or fix NIXL_PLUGIN_DIR")
+    return Availability(True)
+
+
+def cuda_present() -> bool:
+    """Whether this machine shows an NVIDIA GPU to this process.
+
+    Read from the driver's /proc entries rather than by initialising CUDA:
+    this runs at import, and initialising CUDA before a ``fork`` breaks the
+    children."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/proc/driver/nvidia/gpus/*"))
+
+
+def status_name(exc: BaseException) -> str:
+    """``NIXL_ERR_NOT_FOUND`` for a ``nixlNotFoundError``; the class name for others."""
+    text = str(exc)
+    return text if text.startswith("NIXL_") else type(exc).__name__
+
+
+def translate(exc: BaseException, what: str, default: type[KvtError],
+              overrides: Mapping[str, type[KvtError]] | None = None) -> KvtError:
+    """The kvt error for a native exception raised while doing ``what``.
+
+    A remote disconnect is always ``PeerDisconnected``; a cancellation a
+    ``TransferError``; other NIXL statuses map through ``overrides`` (keyed
+    by status name, e.g. ``"NIXL_ERR_NOT_FOUND"``), else to ``default``.
+    kvt errors pass through unchanged.  Use as ``raise translate(...) from e``."""
+    if isinstance(exc, KvtError):
+        return exc
+    status = status_name(exc)
+    if status == "NIXL_ERR_REMOTE_DISCONNECT":
+        cls: type[KvtError] = PeerDisconnected
+    elif status == "NIXL_ERR_CANCELED":
+        cls = TransferError
+    else:
+        cls = (overrides or {}).get(status, default)
+    detail = status if status == str(exc) else f"{status}: {exc}"
+    return cls(f"{what} failed: NIXL reported {detail}")
+
+
+@contextlib.contextmanager
+def temp_env(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``env`` for the duration (UCX reads its settings when a backend is
+    created), then restore, so one agent's UCX settings do not leak into
+    other agents or libraries of the process."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+#: the init-parameter key a plugin takes its thread count under (as nixl_agent does)
+_THREAD_KEYS = {"GDS_MT": "thread_count", "UCCL": "num_cpus"}
+
+
+def new_agent(name: str, backends: list[str], params: Mapping[str, Mapping[str, str]],
+              num_threads: int, progress_thread: bool, env: Mapping[str, str]) -> Any:
+    """A ``nixl_agent`` with ``backends`` created from ``params``.
+
+    The agent is created without backends and each is then created
+    explicitly, so that per-backend init parameters (e.g. UCX's
+    ``ucx_error_handling_mode``) reach NIXL; nixl_agent_config only carries
+    a thread count.  Thread-safe (``NIXL_THREAD_SYNC_STRICT``): kvt's
+    callers may post and poll from several threads."""
+    mod = api()
+    conf = mod.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
+                                 sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    with temp_env(env):
+        try:
+            agent = mod.nixl_agent(name, conf)
+        except Exception as e:
+            raise translate(e, f"creating NIXL agent {name!r}", BackendUnavailable) from e
+        missing = [b for b in backends if b not in agent.get_plugin_list()]
+        if missing:
+            raise ConfigError(f"nixl backend option 'backends': NIXL has no plugin {missing}; "
+                              f"available here: {sorted(agent.get_plugin_list())}")
+        for b in backends:
+            init = {_THREAD_KEYS.get(b, "num_threads"): str(num_threads)} if num_threads else {}
+            init.update(params.get(b, {}))
+            try:
+                agent.create_backend(b, init)
+            except Exception as e:
+                raise translate(e, f"creating NIXL backend {b} (init parameters {init}, UCX settings "
+                                   f"{dict(env)}; UCX explains on stderr)", BackendUnavailable,
+                                {"NIXL_ERR_INVALID_PARAM": ConfigError}) from e
+    return agent

@@ -1,0 +1,57 @@
+"""The nixl backend's options, validated from kvt configuration.
+
+See docs/backends/nixl.md for what each one does and which values were
+measured best on these machines.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Mapping
+
+import msgspec
+from kvt.errors import ConfigError
+
+__all__ = ["NixlOptions", "parse_options"]
+
+log = logging.getLogger(__name__)
+
+_Name = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
+    #: NIXL backend plugins to create, in order of preference
+    backends: Annotated[list[_Name], msgspec.Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["UCX"])
+    #: worker threads of multi-threaded plugins (0 = the plugin's default)
+    num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: NIXL's progress thread: completes transfers and receives notifications
+    #: without the application polling.  Without it only our own NIXL calls progress.
+    progress_thread: bool = True
+    #: UCX_* environment settings applied while the agent's backends are
+    #: created (e.g. ``{"UCX_TLS": "cma,tcp,self"}``), then restored
+    ucx_env: dict[str, str | int] = {}
+    #: per-plugin NIXL init parameters, e.g. ``{"UCX": {"ucx_error_handling_mode": "none"}}``
+    backend_params: dict[_Name, dict[str, str | int]] = {}
+    #: seconds a transfer may stay in progress before it turns to ERR (TransferTimeout)
+    timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+
+
+_FIELDS = set(NixlOptions.__struct_fields__)
+
+
+def parse_options(options: Mapping[str, Any]) -> NixlOptions:
+    """Validate ``options``; ``ConfigError`` names the bad field.  Unknown
+    keys are logged and ignored, since one ``[options]`` table may serve
+    several backends."""
+    unknown = sorted(set(options) - _FIELDS)
+    if unknown:
+        log.warning("nixl backend ignores unknown options %s (it knows %s)", unknown, sorted(_FIELDS))
+    try:
+        opts = msgspec.convert({k: v for k, v in options.items() if k in _FIELDS}, NixlOptions)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"nixl backend option: {e}") from None
+    bad = [k for k in opts.ucx_env if not k.startswith("UCX_")]
+    if bad:
+        raise ConfigError(f"nixl backend option 'ucx_env' takes UCX_* variables only, got {bad}; "
+                          "set other environment variables before starting the process")
+    return opts

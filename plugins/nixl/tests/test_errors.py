@@ -1,0 +1,153 @@
+"""Bad input gets a typed kvt error before any byte moves, and leaves the
+backend (and the peer's memory) as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvt.errors import (ClosedError, InvalidArgument, InvalidDescriptor, InvalidHandle, UnknownPeer,
+                        VersionMismatch, WireError)
+from kvt.types import Descs, Op
+from kvt.wire import AgentInfo, encode
+from kvt_nixl.metadata import NixlMetadata
+from peerproc import BLOCK, NUM_BLOCKS, load, pattern, settle
+
+
+@pytest.fixture
+def ready(make_backend, peer, local_buf):
+    b = make_backend()
+    b.register(Descs.from_buffers([local_buf]))
+    name = load(b, peer)
+    lp = b.prep(None, Descs.from_blocks(local_buf.ctypes.data, BLOCK, range(NUM_BLOCKS)))
+    rp = b.prep(name, peer.blocks(range(NUM_BLOCKS)))
+    yield b, peer, name, lp, rp
+    np.testing.assert_array_equal(peer.contents(), pattern(), "a refused call moved bytes to the peer")
+
+
+def test_local_descriptors_outside_registered_memory(ready):
+    b, *_ = ready
+    other = np.zeros(4 * BLOCK, np.uint8)
+    with pytest.raises(InvalidDescriptor, match="outside registered DRAM memory"):
+        b.prep(None, Descs.from_blocks(other.ctypes.data, BLOCK, range(4)))
+
+
+def test_remote_descriptors_outside_what_the_peer_advertised(ready):
+    b, peer, name, *_ = ready
+    with pytest.raises(InvalidDescriptor, match=f"descriptors of peer '{name}'"):
+        b.prep(name, peer.blocks([NUM_BLOCKS - 1, NUM_BLOCKS]))  # the second runs past its buffer
+    with pytest.raises(InvalidDescriptor):
+        b.prep(name, Descs.from_regions(peer.addr + 1, NUM_BLOCKS * BLOCK))  # one byte too far
+
+
+@pytest.mark.parametrize("bad", [np.array([NUM_BLOCKS], np.int32), np.array([-1], np.int32),
+                                 np.array([2**32], np.int64), np.array([-1]), [0.5]],
+                         ids=["int32-past-end", "int32-negative", "int64-wraps-to-0", "negative", "float"])
+def test_indices_out_of_range_or_not_integers(ready, bad):
+    """int32 goes straight to NIXL (which checks it); anything else is checked
+    by kvt first, so 2**32 cannot wrap around to block 0."""
+    b, peer, name, lp, rp = ready
+    with pytest.raises(InvalidArgument, match="remote_idx"):
+        b.transfer(Op.WRITE, lp, np.array([0], np.int32), rp, bad)
+
+
+def test_paired_lengths_and_counts_must_match(ready, local_buf):
+    b, peer, name, lp, rp = ready
+    half = b.prep(None, Descs.from_blocks(local_buf.ctypes.data, BLOCK // 2, range(4)))
+    with pytest.raises(InvalidArgument, match="differ in length"):
+        b.transfer(Op.WRITE, half, np.array([0], np.int32), rp, np.array([0], np.int32))
+    with pytest.raises(InvalidArgument, match="paired one to one"):
+        b.transfer(Op.WRITE, lp, [0, 1], rp, [0])
+
+
+def test_local_side_must_be_our_own_list(ready):
+    b, peer, name, lp, rp = ready
+    with pytest.raises(InvalidArgument, match="local_prep"):
+        b.transfer(Op.WRITE, rp, [0], rp, [1])
+
+
+def test_empty_notification_on_a_transfer(ready):
+    b, peer, name, lp, rp = ready
+    with pytest.raises(InvalidArgument, match="empty notification"):
+        b.transfer(Op.WRITE, lp, [0], rp, [0], notif=b"")
+
+
+def test_unknown_peer(ready, local_buf):
+    b, *_ = ready
+    with pytest.raises(UnknownPeer, match="'nobody'"):
+        b.prep("nobody", Descs.from_blocks(local_buf.ctypes.data, BLOCK, [0]))
+    with pytest.raises(UnknownPeer):
+        b.notify("nobody", b"x")
+    with pytest.raises(UnknownPeer):
+        b.remove_remote("nobody")
+
+
+def test_released_and_unknown_handles(ready):
+    b, peer, name, lp, rp = ready
+    h = b.transfer(Op.READ, lp, [0], rp, [0])
+    assert settle(b, h).done
+    b.release(h)
+    for call in (lambda: b.release(h), lambda: b.check_state(h), lambda: b.release(12345)):
+        with pytest.raises(InvalidHandle):
+            call()
+    b.release(rp)
+    with pytest.raises(InvalidHandle):
+        b.transfer(Op.READ, lp, [0], rp, [0])
+    reg = b.register(Descs.from_regions(peer.addr, 0))  # an empty region is fine
+    b.deregister(reg)
+    with pytest.raises(InvalidHandle):
+        b.deregister(reg)
+
+
+def test_deregistered_memory_invalidates_old_preps(make_backend):
+    b = make_backend()
+    buf = np.zeros(8 * BLOCK, np.uint8)
+    reg = b.register(Descs.from_buffers([buf]))
+    p = b.prep(None, Descs.from_blocks(buf.ctypes.data, BLOCK, range(8)))
+    b.deregister(reg)
+    with pytest.raises(InvalidDescriptor):
+        b.transfer(Op.WRITE, p, [0], p, [1])
+    b.register(Descs.from_buffers([buf]))  # registered again: the same list works again
+    assert settle(b, b.transfer(Op.WRITE, p, [0], p, [1])).done
+
+
+def _bad_metadata(good: bytes, name: str) -> dict[str, bytes]:
+    from kvt.wire import decode
+    md = decode(good, NixlMetadata)
+    return {
+        "garbage": b"\x00garbage",
+        "truncated": good[: len(good) // 2],
+        "another-message": encode(AgentInfo(name="x", backend="nixl", metadata=b"")),
+        "nixl-blob-corrupt": encode(NixlMetadata(name=md.name, nixl=md.nixl[:40], regions=md.regions)),
+        "name-mismatch": encode(NixlMetadata(name="impostor", nixl=md.nixl, regions=md.regions)),
+        "region-table": encode(NixlMetadata(name=md.name, nixl=md.nixl, regions={"DRAM": b"12345"})),
+        "memory-kind": encode(NixlMetadata(name=md.name, nixl=md.nixl, regions={"FLOPPY": b""})),
+    }
+
+
+def test_malformed_metadata_is_a_wire_error(make_backend, peer):
+    b, other = make_backend(), make_backend()
+    for case, data in _bad_metadata(other.local_metadata(), other.agent_name).items():
+        with pytest.raises(WireError):
+            b.add_remote(data)
+            pytest.fail(f"{case}: accepted")
+    with pytest.raises(VersionMismatch):
+        b.add_remote(encode(NixlMetadata(name="x", nixl=b"", regions={}, v=99)))
+    with pytest.raises(InvalidArgument, match="own"):
+        b.add_remote(b.local_metadata())
+    assert load(b, peer)  # and good metadata still loads afterwards
+
+
+def test_every_verb_after_close(make_backend, local_buf):
+    b = make_backend()
+    reg = b.register(Descs.from_buffers([local_buf]))
+    p = b.prep(None, Descs.from_blocks(local_buf.ctypes.data, BLOCK, [0, 1]))
+    b.close()
+    b.close()  # idempotent
+    calls = [lambda: b.register(Descs.from_buffers([local_buf])), lambda: b.deregister(reg),
+             lambda: b.prep(None, Descs.from_regions(local_buf.ctypes.data, BLOCK)),
+             lambda: b.transfer(Op.READ, p, [0], p, [1]), lambda: b.check_state(1), lambda: b.release(p),
+             b.local_metadata, lambda: b.add_remote(b""), lambda: b.remove_remote("x"),
+             lambda: b.notify("x", b"m"), b.get_notifs]
+    for call in calls:
+        with pytest.raises(ClosedError):
+            call()

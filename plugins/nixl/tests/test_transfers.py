@@ -1,0 +1,154 @@
+"""Every verb between two processes, and between two lists of one agent."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from kvt.handshake import HandshakeServer
+from kvt.types import Descs, Op, Status
+from peerproc import BLOCK, NUM_BLOCKS, load, pattern, settle
+
+
+@pytest.fixture
+def pair(make_backend, peer, local_buf):
+    """(backend, peer, peer name, local prep, remote prep): our buffer and the
+    peer's, both as NUM_BLOCKS blocks, metadata fetched through the handshake."""
+    b = make_backend()
+    b.register(Descs.from_buffers([local_buf]))
+    name = load(b, peer)
+    ids = np.arange(NUM_BLOCKS)
+    lp = b.prep(None, Descs.from_blocks(local_buf.ctypes.data, BLOCK, ids))
+    return b, peer, name, lp, b.prep(name, peer.blocks(ids))
+
+
+@pytest.mark.parametrize("index", [np.int32, np.int64, list], ids=["int32", "int64", "list"])
+def test_read_pulls_the_peers_blocks(pair, local_buf, index):
+    b, peer, name, lp, rp = pair
+    local, remote = np.array([0, 5, 6, 63]), np.array([63, 2, 3, 0])
+    as_idx = (lambda a: a.tolist()) if index is list else (lambda a: a.astype(index))
+    h = b.transfer(Op.READ, lp, as_idx(local), rp, as_idx(remote))
+    assert settle(b, h).status is Status.DONE
+    b.release(h)
+    np.testing.assert_array_equal(local_buf[local], pattern()[remote])
+    untouched = np.setdiff1d(np.arange(NUM_BLOCKS), local)
+    assert not local_buf[untouched].any(), "READ wrote outside the blocks it was given"
+
+
+def test_write_pushes_our_blocks(pair, local_buf):
+    b, peer, name, lp, rp = pair
+    local_buf[:] = pattern(salt=2)
+    local, remote = np.arange(8), np.arange(50, 58)
+    h = b.transfer(Op.WRITE, lp, local, rp, remote)
+    assert settle(b, h).done
+    b.release(h)
+    want = pattern()
+    want[remote] = pattern(salt=2)[local]
+    np.testing.assert_array_equal(peer.contents(), want)
+
+
+def test_whole_lists_with_none(pair, local_buf):
+    b, peer, name, lp, rp = pair
+    h = b.transfer(Op.READ, lp, None, rp, None)
+    assert settle(b, h).done
+    np.testing.assert_array_equal(local_buf, pattern())
+
+
+def test_write_notification_arrives_after_its_data(pair, local_buf):
+    """The peer copies its memory the moment it sees the notification: every
+    written byte must already be there."""
+    b, peer, name, lp, rp = pair
+    local_buf[:] = pattern(salt=3)
+    snaps: list = []
+    watcher = threading.Thread(target=lambda: snaps.append(peer.call("await_notif", b.agent_name, b"kv-ready-7")))
+    watcher.start()  # the peer watches while we post and poll (NIXL sends the notification from our polls)
+    h = b.transfer(Op.WRITE, lp, None, rp, None, notif=b"kv-ready-7")
+    assert settle(b, h).done
+    watcher.join(40)
+    assert snaps and snaps[0] is not None, "the notification never arrived"
+    np.testing.assert_array_equal(np.frombuffer(snaps[0], np.uint8).reshape(NUM_BLOCKS, BLOCK), pattern(salt=3))
+
+
+def test_read_notification_reaches_the_peer(pair, local_buf):
+    b, peer, name, lp, rp = pair
+    h = b.transfer(Op.READ, lp, [1, 2], rp, [3, 4], notif=b"read-done")
+    assert settle(b, h).done
+    assert peer.call("take", b.agent_name, 1) == [b"read-done"]
+    np.testing.assert_array_equal(local_buf[[1, 2]], pattern()[[3, 4]])
+
+
+def test_notifications_both_ways_in_order(pair):
+    b, peer, name, lp, rp = pair
+    msgs = [b"m%03d" % i for i in range(20)] + [b"x" * b.capabilities.max_notif_bytes]
+    for m in msgs:
+        b.notify(name, m)
+    assert peer.call("take", b.agent_name, len(msgs)) == msgs
+    # the peer reaches us once it has our metadata, fetched through our handshake server
+    with HandshakeServer(lambda _req: b.local_metadata()) as server:
+        assert peer.call("load", server.endpoint) == b.agent_name
+    peer.call("notify", b.agent_name, b"hello back")
+    got, deadline = {}, time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        got = b.get_notifs()
+    assert got == {name: [b"hello back"]}
+    assert b.get_notifs() == {}, "a notification was delivered twice"
+
+
+def test_local_transfers_and_their_notification(make_backend):
+    b = make_backend()
+    src, dst = pattern(salt=4), np.zeros((NUM_BLOCKS, BLOCK), np.uint8)
+    b.register(Descs.from_buffers([src, dst]))
+    sp = b.prep(None, Descs.from_blocks(src.ctypes.data, BLOCK, range(NUM_BLOCKS)))
+    dp = b.prep(None, Descs.from_blocks(dst.ctypes.data, BLOCK, range(NUM_BLOCKS)))
+    h1 = b.transfer(Op.READ, dp, [0, 1], sp, [9, 8])           # dst <- src
+    h2 = b.transfer(Op.WRITE, sp, [5], dp, [7], notif=b"local")  # src -> dst
+    assert settle(b, h1).done and settle(b, h2).done
+    np.testing.assert_array_equal(dst[[0, 1, 7]], src[[9, 8, 5]])
+    got, deadline = {}, time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        got = b.get_notifs()
+    assert got == {b.agent_name: [b"local"]}
+
+
+def test_zero_rows_is_done_and_still_notifies(pair):
+    b, peer, name, lp, rp = pair
+    h = b.transfer(Op.WRITE, lp, np.array([], np.int64), rp, [], notif=b"nothing-to-move")
+    assert b.check_state(h).done
+    assert peer.call("take", b.agent_name, 1) == [b"nothing-to-move"]
+
+
+def test_reloaded_peer_metadata_keeps_old_preps_working(pair, local_buf):
+    """NIXL invalidates lists prepped before a reload; kvt re-preps them."""
+    b, peer, name, lp, rp = pair
+    assert load(b, peer) == name
+    h = b.transfer(Op.READ, lp, [3], rp, [4])
+    assert settle(b, h).done
+    np.testing.assert_array_equal(local_buf[3], pattern()[4])
+
+
+def test_many_blocks_in_one_transfer(make_backend, peer):
+    """Many small blocks in one READ, in a random order: 1024 x 256 B."""
+    b = make_backend()
+    name = load(b, peer)
+    dst = np.zeros(NUM_BLOCKS * BLOCK, np.uint8)
+    b.register(Descs.from_buffers([dst]))
+    n, size = 1024, 256
+    lp = b.prep(None, Descs.from_blocks(dst.ctypes.data, size, np.arange(n)))
+    rp = b.prep(name, Descs.from_blocks(peer.addr, size, np.arange(n)))
+    perm = np.random.default_rng(0).permutation(n)
+    assert settle(b, b.transfer(Op.READ, lp, np.arange(n, dtype=np.int32), rp, perm.astype(np.int32))).done
+    np.testing.assert_array_equal(dst.reshape(n, size), pattern().reshape(n, size)[perm])
+
+
+def test_remove_remote_forgets_the_peer(pair):
+    b, peer, name, lp, rp = pair
+    b.remove_remote(name)
+    from kvt.errors import UnknownPeer
+    with pytest.raises(UnknownPeer):
+        b.transfer(Op.READ, lp, [0], rp, [0])
+    with pytest.raises(UnknownPeer):
+        b.notify(name, b"x")
+    assert load(b, peer) == name  # and it can be loaded again; the old prep works again
+    assert settle(b, b.transfer(Op.READ, lp, [0], rp, [0])).done

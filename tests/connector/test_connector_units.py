@@ -1,0 +1,294 @@
+"""The connector's pure parts: TP math, config, messages, compatibility
+check and the scheduler side (no network, no backend)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvt.connector import (ConnectorConfig, ConnectorMetadata, ConnectorScheduler, EngineRequest,
+                           FinishedAggregator, KVCacheSpec, ReadNotif, TransferParams)
+from kvt.connector.compat import WorkerCard, check_peer
+from kvt.connector.tp import Slice, part_layout, plan_reads, readers_per_rank, remote_ranks
+from kvt.errors import ConfigError, IncompatiblePeer, InvalidArgument, WireError
+from kvt.wire import AgentInfo, BlockLayout
+
+SPEC = KVCacheSpec(model="m", num_layers=2, num_kv_heads=8, head_dim=16, dtype="float16", block_size=4)
+
+
+def config(engine_id="e", tp=1, **kw):
+    return ConnectorConfig(engine_id=engine_id, kv=SPEC, tp_size=tp, **kw)
+
+
+# -- tensor parallelism -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank, local_tp, remote_tp, want", [
+    (0, 1, 1, [0]), (3, 2 * 2, 2, [1]), (2, 4, 1, [0]),   # decode TP >= prefill TP: r // ratio
+    (0, 1, 2, [0, 1]), (1, 2, 4, [2, 3]),                  # prefill TP > decode TP: a group
+])
+def test_remote_ranks(rank, local_tp, remote_tp, want):
+    assert remote_ranks(rank, local_tp, remote_tp) == want
+
+
+def test_decode_rank_reads_its_slice_of_heads():
+    # decode TP 4 over prefill TP 2: rank 3 reads the 2nd half of prefill rank 1's parts
+    plan = plan_reads(3, 4, 2, local_part=100, remote_part=200, replicated=False)
+    [read] = plan.reads
+    assert (read.remote_rank, read.local, read.remote) == (1, Slice(0, 100), Slice(100, 100))
+    assert plan.notify_only == ()
+
+
+def test_decode_rank_assembles_parts_from_several_prefill_ranks():
+    plan = plan_reads(1, 2, 4, local_part=200, remote_part=100, replicated=False)
+    assert [(r.remote_rank, r.local, r.remote) for r in plan.reads] == [
+        (2, Slice(0, 100), Slice(0, 100)), (3, Slice(100, 100), Slice(0, 100))]
+
+
+def test_replicated_reads_once_and_notifies_the_rest():
+    plan = plan_reads(0, 1, 2, local_part=64, remote_part=64, replicated=True)
+    assert [r.remote_rank for r in plan.reads] == [0] and plan.notify_only == (1,)
+    assert plan.ranks == (0, 1)
+
+
+@pytest.mark.parametrize("args", [
+    (0, 2, 1, 100, 100, False),   # prefill part should be twice ours
+    (0, 1, 2, 100, 100, False),   # ours should be twice the prefill part
+    (0, 1, 1, 64, 32, True),      # replicated parts differ
+    (0, 3, 2, 100, 100, False),   # TP sizes do not divide
+])
+def test_plan_refuses_parts_that_do_not_fit(args):
+    with pytest.raises(IncompatiblePeer):
+        plan_reads(*args)
+
+
+def test_readers_per_rank():
+    assert [readers_per_rank(p, d) for p, d in [(1, 1), (1, 4), (2, 4), (4, 2), (4, 1)]] == [1, 4, 2, 1, 1]
+
+
+def test_part_layout_addresses_slices_of_parts():
+    lay = BlockLayout(base_addrs=[1000, 9000], block_len=40, num_blocks=3, stride=40)
+    sub = part_layout(lay, parts=2, sl=Slice(5, 10))  # K and V halves of 20 B, bytes 5..15 of each
+    assert sub.base_addrs == [1005, 1025, 9005, 9025]
+    assert (sub.block_len, sub.stride, sub.num_blocks) == (10, 40, 3)
+    rows = sub.descs().array
+    assert rows[:, 0].tolist() == [1005, 1045, 1085, 1025, 1065, 1105, 9005, 9045, 9085, 9025, 9065, 9105]
+    assert set(rows[:, 1].tolist()) == {10}
+
+
+# -- configuration ----------------------------------------------------------------
+
+
+def test_config_from_dict_names_the_bad_field():
+    with pytest.raises(ConfigError, match="tp_size"):
+        ConnectorConfig.from_dict({"engine_id": "e", "kv": msgspec.to_builtins(SPEC), "tp_size": 0})
+    with pytest.raises(ConfigError, match="multiple of tp_size"):
+        config(tp=3)
+    with pytest.raises(ConfigError, match="dtype"):
+        KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float13", block_size=1)
+
+
+def test_config_shapes_and_fixed_endpoints():
+    cfg = config(tp=2, side_channel_port=7000)
+    assert cfg.kv.block_shape(2) == (4, 4, 16) and cfg.kv.part_bytes(2) == 4 * 4 * 16 * 2
+    assert [cfg.endpoint(r) for r in range(2)] == ["tcp://127.0.0.1:7000", "tcp://127.0.0.1:7001"]
+    assert config().endpoint(0) is None
+
+
+# -- messages ---------------------------------------------------------------------
+
+
+def test_metadata_round_trips_and_rejects_garbage():
+    sched = ConnectorScheduler(config(tp=1, side_channel_port=7000))
+    req = EngineRequest("r", 9, {"do_remote_decode": True})
+    sched.request_finished(req, [4, 5, 6])
+    meta = sched.build_connector_meta()
+    assert ConnectorMetadata.decode(meta.encode()) == meta
+    with pytest.raises(WireError):
+        ConnectorMetadata.decode(b"\x01garbage")
+    with pytest.raises(WireError):
+        ReadNotif.decode(b"not a notification")
+    n = ReadNotif("r", "d:0", 2)
+    assert ReadNotif.decode(n.encode()) == n
+
+
+def test_transfer_params_parse():
+    assert TransferParams.parse(None) is None
+    p = TransferParams.parse({"do_remote_prefill": True, "remote_host": "h", "remote_port": 5, "tp_size": 2,
+                              "router_field": "ignored"})
+    assert p.endpoints() == ["tcp://h:5", "tcp://h:6"]
+    assert "remote_engine_id" in p.source_problem()
+    with pytest.raises(InvalidArgument, match="kv_transfer_params"):
+        TransferParams.parse({"remote_block_ids": "not a list"})
+    assert "version" in TransferParams(kvt_version=99).source_problem()
+
+
+# -- compatibility ----------------------------------------------------------------
+
+
+def card(spec=SPEC, **kw):
+    return WorkerCard(**{"engine_id": "p", "tp_rank": 0, "tp_size": 1, "spec": spec, "layers": ["a", "b"],
+                         "parts": 1, **kw})
+
+
+def test_check_peer_lists_every_mismatch():
+    theirs = card(msgspec.structs.replace(SPEC, dtype="bfloat16", block_size=16), layers=["x", "y"])
+    with pytest.raises(IncompatiblePeer) as e:
+        check_peer(card(engine_id="d"), theirs, engine_id="p", rank=0, tp_size=1)
+    msg = str(e.value)
+    assert "dtype 'bfloat16' (ours 'float16')" in msg and "block_size 16 (ours 4)" in msg and "layers" in msg
+
+
+def test_check_peer_checks_identity_and_layout_for_heterogeneous_tp():
+    check_peer(card(engine_id="d"), card(), engine_id="p", rank=0, tp_size=1)  # compatible: no error
+    with pytest.raises(IncompatiblePeer, match="engine id 'p'"):
+        check_peer(card(engine_id="d"), card(), engine_id="other", rank=0, tp_size=1)
+    with pytest.raises(IncompatiblePeer, match="TP rank 0/1 \\(expected 1/2\\)"):
+        check_peer(card(engine_id="d"), card(), engine_id="p", rank=1, tp_size=2)
+    nhd = msgspec.structs.replace(SPEC, head_layout="NHD")
+    with pytest.raises(IncompatiblePeer, match="HND"):
+        check_peer(card(nhd, engine_id="d", tp_size=2), card(nhd, tp_size=1), engine_id="p", rank=0, tp_size=1)
+
+
+def test_a_peer_without_a_card_is_refused():
+    with pytest.raises(IncompatiblePeer, match="not a kvt connector worker"):
+        WorkerCard.from_info(AgentInfo(name="x", backend="host", metadata=b""))
+
+
+# -- scheduler side ---------------------------------------------------------------
+
+
+def prefill_params(block_ids, **kw):
+    p = ConnectorScheduler(config("p", side_channel_port=7000, **kw))
+    req = EngineRequest("p-req", len(block_ids) * 4, {"do_remote_decode": True})
+    return p, p.request_finished(req, block_ids)
+
+
+def test_prefill_holds_whole_blocks_and_returns_where_to_read():
+    sched = ConnectorScheduler(config("p", side_channel_port=7000, abort_request_timeout=30))
+    req = EngineRequest("r", 10, {"do_remote_decode": True})  # 2 whole blocks + 2 tokens
+    before = time.time()
+    delay, params = sched.request_finished(req, [7, 8, 9])
+    assert delay is True
+    assert params["remote_block_ids"] == [7, 8] and params["remote_request_id"] == "r"
+    assert params["remote_endpoints"] == ["tcp://127.0.0.1:7000"] and params["do_remote_prefill"]
+    meta = sched.build_connector_meta()
+    assert list(meta.reqs_to_send) == ["r"] and before + 30 <= meta.reqs_to_send["r"] <= time.time() + 30
+    assert not sched.build_connector_meta()  # handed over once
+
+
+def test_prefill_frees_short_and_aborted_requests_at_once():
+    sched = ConnectorScheduler(config("p", side_channel_port=7000))
+    delay, params = sched.request_finished(EngineRequest("short", 3, {"do_remote_decode": True}), [1])
+    assert delay is False and params["do_remote_prefill"] and not params.get("remote_block_ids")
+    assert sched.request_finished(EngineRequest("ab", 30, {"do_remote_decode": True}), [1, 2], aborted=True) == (
+        False, None)
+    assert sched.request_finished(EngineRequest("plain", 30, None), [1]) == (False, None)
+    assert not sched.build_connector_meta()
+
+
+def test_prefill_needs_its_workers_endpoints():
+    sched = ConnectorScheduler(config("p"))
+    with pytest.raises(InvalidArgument, match="set_worker_endpoints"):
+        sched.request_finished(EngineRequest("r", 8, {"do_remote_decode": True}), [1, 2])
+    with pytest.raises(InvalidArgument, match="one endpoint per rank"):
+        sched.set_worker_endpoints({1: "tcp://x:1"})
+    sched.set_worker_endpoints({0: "tcp://x:1"})
+    assert sched.request_finished(EngineRequest("r", 8, {"do_remote_decode": True}), [1, 2])[0]
+
+
+def test_decode_schedules_one_read_pairing_blocks_in_token_order():
+    _, (_, params) = prefill_params([20, 21, 22, 23])
+    sched = ConnectorScheduler(config("d"))
+    req = EngineRequest("d-req", 15, dict(params))  # 3 whole blocks: the prefill side offers 4
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)  # no side effects
+    sched.update_state_after_alloc(req, [5, 6, 7, 8], 12)
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+    recv = sched.build_connector_meta().reqs_to_recv["d-req"]
+    assert recv.local_block_ids == [5, 6, 7] and recv.remote.block_ids == [20, 21, 22]
+    assert recv.remote.engine_id == "p" and recv.remote.request_id == "p-req"
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # one transfer per request
+    # while loading, its blocks must outlive an abort
+    assert sched.request_finished(req, [5, 6, 7, 8], aborted=True) == (True, None)
+    sched.update_connector_output(set(), {"d-req"})
+    assert sched.request_finished(req, [5, 6, 7, 8]) == (False, None)
+    assert not any(sched.outstanding().values()), sched.outstanding()
+
+
+def test_decode_prefix_hits():
+    _, (_, params) = prefill_params([20, 21, 22, 23])
+    sched = ConnectorScheduler(config("d"))
+    partial = EngineRequest("partial", 16, dict(params))
+    n, _ = sched.get_num_new_matched_tokens(partial, 4)  # first block cached here
+    sched.update_state_after_alloc(partial, [5, 6, 7, 8], n)
+    full = EngineRequest("full", 16, dict(params))
+    assert sched.get_num_new_matched_tokens(full, 16) == (0, False)
+    sched.update_state_after_alloc(full, [1, 2, 3, 4], 0)
+    meta = sched.build_connector_meta().reqs_to_recv
+    assert (meta["partial"].local_block_ids, meta["partial"].remote.block_ids) == ([6, 7, 8], [21, 22, 23])
+    # a full hit only tells the prefill side it may free
+    assert (meta["full"].local_block_ids, meta["full"].remote.block_ids) == ([], [])
+
+
+def test_decode_request_ended_before_scheduling_lets_prefill_free():
+    _, (_, params) = prefill_params([20, 21])
+    sched = ConnectorScheduler(config("d"))
+    assert sched.request_finished(EngineRequest("gone", 8, dict(params)), [], aborted=True) == (False, None)
+    recv = sched.build_connector_meta().reqs_to_recv["gone"]
+    assert recv.local_block_ids == [] and recv.remote.request_id == "p-req"
+
+
+def test_short_prompt_schedules_nothing_on_decode():
+    prefill = ConnectorScheduler(config("p", side_channel_port=7000))
+    _, params = prefill.request_finished(EngineRequest("short", 3, {"do_remote_decode": True}), [9])
+    sched = ConnectorScheduler(config("d"))
+    req = EngineRequest("short", 3, params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, [1], 0)
+    assert sched.request_finished(req, [1]) == (False, None)
+    assert not sched.build_connector_meta()  # no read, no notification: nothing is held for it
+
+
+def test_malformed_params_raise_and_leave_state_alone():
+    sched = ConnectorScheduler(config("d"))
+    req = EngineRequest("x", 8, {"do_remote_prefill": True, "remote_block_ids": [1, 2]})  # no engine/endpoints
+    with pytest.raises(InvalidArgument, match="remote_engine_id"):
+        sched.get_num_new_matched_tokens(req, 0)
+    with pytest.raises(InvalidArgument):
+        sched.update_state_after_alloc(req, [1, 2], 8)
+    assert req.kv_transfer_params["do_remote_prefill"] is True
+    assert not sched.build_connector_meta()
+
+
+def test_prefill_staging_copies_the_blocks_each_step_fills():
+    sched = ConnectorScheduler(config("p", side_channel_port=7000, kv_buffer_device="cpu"))
+    req = EngineRequest("r", 30, {"do_remote_decode": True})
+    sched.update_state_after_alloc(req, [3, 4], 0)
+    assert sched.build_connector_meta().reqs_to_save == {"r": [3, 4]}
+    # chunked prefill: the next chunk fills the rest of block 4 and new blocks 9, 2
+    sched.update_state_after_alloc(req, [3, 4, 9, 2], 0)
+    assert sched.build_connector_meta().reqs_to_save == {"r": [4, 9, 2]}
+    sched.request_finished(req, [3, 4, 9, 2])
+    assert sched.outstanding()["saving"] == 0
+    unstaged = ConnectorScheduler(config("p", side_channel_port=7000))
+    unstaged.update_state_after_alloc(req, [3, 4], 0)
+    assert unstaged.build_connector_meta().reqs_to_save == {}
+
+
+def test_finished_aggregator_waits_for_every_worker():
+    agg = FinishedAggregator(2)
+    assert agg.update([({"a"}, {"b"}), ({"a"}, set())]) == ({"a"}, set())
+    assert len(agg) == 1
+    assert agg.update([(set(), {"b"})]) == (set(), {"b"}) and len(agg) == 0
+
+
+def test_descriptors_for_100k_blocks():
+    lay = part_layout(BlockLayout(base_addrs=list(range(0, 8 * 10**8, 10**8)), block_len=512,
+                                  num_blocks=100_000, stride=512), parts=2, sl=Slice(0, 256))
+    descs = lay.descs()
+    assert len(descs) == 16 * 100_000 and descs.array[-1, 0] == 7 * 10**8 + 256 + 99_999 * 512
+    assert np.all(descs.lengths == 256)

@@ -1,0 +1,168 @@
+"""ConnectorWorker in one process on the host backend: registration
+checks, lifecycle, and the prefill side's reader counting (the engine tests
+run the same paths across processes and backends)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvt import memory
+from kvt.connector import (ConnectorConfig, ConnectorScheduler, ConnectorWorker, EngineRequest, KVCacheSpec,
+                           ReadNotif)
+from kvt.connector.staging import HostStaging
+from kvt.errors import ClosedError, InvalidArgument
+
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", block_size=4)
+BLOCKS = 16
+
+
+def config(engine_id, tp=1, **kw):
+    return ConnectorConfig(engine_id=engine_id, kv=SPEC, tp_size=tp, backend="host", **kw)
+
+
+def caches(tp=1, fill=False):
+    shape = (2, BLOCKS, *SPEC.block_shape(tp))
+    out = {f"l{i}": memory.empty_tensor(shape, torch.float16) for i in range(SPEC.num_layers)}
+    if fill:
+        for t in out.values():
+            t.copy_(torch.randn(shape).half())
+    return out
+
+
+@pytest.fixture
+def workers():
+    made = []
+
+    def make(engine_id, tp=1, rank=0, fill=False, **kw):
+        w = ConnectorWorker(config(engine_id, tp, **kw), rank)
+        made.append(w)
+        kv = caches(tp, fill)
+        return w, kv, w.register_kv_caches(kv)
+
+    yield make
+    for w in made:
+        w.shutdown()
+
+
+def pump(workers_, until, timeout=10.0):
+    """Step the workers (at least once) until ``until()``; every wait bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for w, sink in workers_:
+            sending, recving = w.get_finished()
+            sink[0] |= sending
+            sink[1] |= recving
+        if until():
+            return
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def test_register_checks_shape_dtype_and_layers(workers):
+    w = ConnectorWorker(config("p"))
+    try:
+        with pytest.raises(InvalidArgument, match="call register_kv_caches"):
+            w.get_finished()
+        with pytest.raises(InvalidArgument, match="num_layers=2"):
+            w.register_kv_caches({"l0": torch.zeros(2, BLOCKS, 4, 4, 8, dtype=torch.float16)})
+        with pytest.raises(InvalidArgument, match="does not match"):
+            w.register_kv_caches({f"l{i}": torch.zeros(2, BLOCKS, 4, 8, 4, dtype=torch.float16) for i in range(2)})
+        with pytest.raises(InvalidArgument, match="dtype float32"):
+            w.register_kv_caches({f"l{i}": torch.zeros(2, BLOCKS, 4, 4, 8) for i in range(2)})
+        with pytest.raises(InvalidArgument, match="'split' takes"):
+            w.register_kv_caches({f"l{i}": torch.zeros(3, BLOCKS, 4, 4, 8, dtype=torch.float16) for i in range(2)})
+        # (K, V) pairs are accepted as well as (2, ...) tensors
+        kv = {f"l{i}": (torch.zeros(BLOCKS, 4, 4, 8, dtype=torch.float16),) * 2 for i in range(2)}
+        assert w.register_kv_caches(kv).startswith("tcp://")
+        with pytest.raises(InvalidArgument, match="already"):
+            w.register_kv_caches(kv)
+    finally:
+        w.shutdown()
+
+
+def test_shutdown_is_idempotent_and_final(workers):
+    w, _, _ = workers("p")
+    w.shutdown()
+    w.shutdown()
+    with pytest.raises(ClosedError):
+        w.get_finished()
+
+
+def handoff(prefill_sched, prefill_workers, block_ids, prompt_len):
+    """A prefill request finishes and its hold reaches every prefill worker."""
+    req = EngineRequest("req", prompt_len, {"do_remote_decode": True})
+    delay, params = prefill_sched.request_finished(req, block_ids)
+    assert delay
+    meta = prefill_sched.build_connector_meta()
+    for w in prefill_workers:
+        w.start_load_kv(meta)
+    return params
+
+
+def test_prefill_frees_only_after_every_reader(workers):
+    p, pkv, endpoint = workers("p", fill=True)
+    psched = ConnectorScheduler(config("p"))
+    psched.set_worker_endpoints({0: endpoint})
+    params = handoff(psched, [p], [3, 5, 7], 12)
+    # decode TP 2 over prefill TP 1: both decode ranks read from prefill rank 0
+    d0, dkv0, _ = workers("d", tp=2, rank=0)
+    d1, dkv1, _ = workers("d", tp=2, rank=1)
+    dsched = ConnectorScheduler(config("d", tp=2))
+    req = EngineRequest("d-req", 12, dict(params))
+    n, _ = dsched.get_num_new_matched_tokens(req, 0)
+    dsched.update_state_after_alloc(req, [0, 1, 2], n)
+    meta = dsched.build_connector_meta()
+    p_done, d0_done, d1_done = [set(), set()], [set(), set()], [set(), set()]
+
+    d0.start_load_kv(meta)
+    pump([(d0, d0_done), (p, p_done)], lambda: "d-req" in d0_done[1])
+    [prefill_peer] = d0.agent.peers
+    d0.agent.notify(prefill_peer, ReadNotif("req", d0.consumer, 2).encode())  # the same reader again
+    time.sleep(0.2)
+    pump([(p, p_done)], lambda: True)
+    assert p_done[0] == set()  # one of two readers (repeats count once): still held
+    assert p.outstanding()["held"] == 1
+
+    d1.start_load_kv(meta)
+    pump([(d1, d1_done), (p, p_done)], lambda: "req" in p_done[0])
+    assert d1_done[1] == {"d-req"} and p.stats["released_by_readers"] == 1
+    for w, kv, rank in ((d0, dkv0, 0), (d1, dkv1, 1)):
+        assert w.get_block_ids_with_load_errors() == set()
+        for name in pkv:  # each decode rank holds its half of the heads
+            assert torch.equal(kv[name][:, [0, 1, 2]], pkv[name][:, [3, 5, 7], 2 * rank:2 * rank + 2])
+    for w in (p, d0, d1):
+        assert not any(w.outstanding().values()), w.outstanding()
+
+
+def test_notification_before_the_hold(workers):
+    p, _, endpoint = workers("p", fill=True)
+    d, _, _ = workers("d")
+    psched = ConnectorScheduler(config("p"))
+    psched.set_worker_endpoints({0: endpoint})
+    req = EngineRequest("req", 8, {"do_remote_decode": True})
+    _, params = psched.request_finished(req, [1, 2])
+    dsched = ConnectorScheduler(config("d"))
+    dreq = EngineRequest("d-req", 8, dict(params))
+    dsched.update_state_after_alloc(dreq, [4, 5], dsched.get_num_new_matched_tokens(dreq, 0)[0])
+    d_done, p_done = [set(), set()], [set(), set()]
+    d.start_load_kv(dsched.build_connector_meta())  # read + notification before prefill's worker holds it
+    pump([(d, d_done), (p, p_done)], lambda: "d-req" in d_done[1] and p.outstanding()["early_notifs"])
+    p.start_load_kv(psched.build_connector_meta())  # the hold arrives: readers already complete
+    pump([(p, p_done)], lambda: "req" in p_done[0])
+    assert p.stats["released_by_readers"] == 1
+    pump([(p, p_done)], lambda: True)
+    assert p_done[0] == {"req"} and not any(p.outstanding().values())
+
+
+def test_host_staging_copies_blocks_both_ways():
+    device = [torch.randn(6, 2, 3), torch.randn(6, 2, 3)]
+    staging = HostStaging(device)
+    staging.save([1, 4])
+    for d, h in zip(device, staging.host):
+        assert torch.equal(h[[1, 4]], d[[1, 4]]) and not h[[0, 2, 3, 5]].any()
+        h[[2]] = 7.0
+    staging.load([2])
+    assert all(torch.equal(d[2], torch.full((2, 3), 7.0)) for d in device)
