@@ -7,7 +7,10 @@ engine runs an initiator and a target in two fresh processes (kvt backends
 through ``kvt.Agent``, as an engine would drive them); nixl and ucx never
 share a process (each bundles its own libucx).  The target's block ids are a
 random permutation, so no engine can merge neighbouring blocks.  memcpy copies
-the same blocks inside one process: the ceiling.
+the same blocks inside one process: the ceiling.  ``cma`` (the host backend
+with ``transport="cma"``) is Linux cross-memory attach driven directly: the
+single-copy path UCX itself takes between two processes on one host, so the
+practical ceiling for any UCX-based backend here.
 
 Prints a markdown table (median of the timed iterations; ratios to memcpy and
 to the kvt nixl backend) and the command line that produced it.  Targets:
@@ -28,6 +31,7 @@ from kvt.config import load_config
 from kvt.types import Op
 
 SHAPES = [(256 << 20, 1), (64 << 10, 4096), (4 << 10, 4096)]
+CMA = "cma"  # the host backend forced onto process_vm_readv/writev: a reference, not a competitor
 
 
 def _options(pairs: list[str]) -> dict:
@@ -49,6 +53,7 @@ def main() -> int:
     ap.add_argument("--ucx-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option of the ucx backend (VALUE parsed as JSON when it can be)")
     ap.add_argument("--no-nixl", action="store_true", help="skip the nixl rows")
+    ap.add_argument("--no-cma", action="store_true", help="skip the cross-memory-attach reference column")
     args = ap.parse_args()
 
     cases = tuple(Case("sweep", op, block, batch) for block, batch in SHAPES for op in (Op.READ, Op.WRITE))
@@ -58,6 +63,8 @@ def main() -> int:
     if not args.no_nixl:
         specs += [EngineSpec(RAW_NIXL, "raw-nixl", required=False),
                   EngineSpec("nixl", "kvt", load_config(backend="nixl"), required=False)]
+    if not args.no_cma:  # the kernel's single-copy path that UCX uses between processes on one host
+        specs.append(EngineSpec(CMA, "kvt", load_config(backend="host", options={"transport": "cma"}), required=False))
     specs.append(EngineSpec("ucx", "kvt", load_config(backend="ucx", options=_options(args.ucx_option))))
 
     before = machine()

@@ -218,17 +218,24 @@ class Descs:
     def coerce(cls, mem: Any, kind: MemKind | str | None = None) -> "Descs":
         """Accept Descs, an (n, 3) array, a list of (addr, len, dev) tuples, or buffers."""
         if isinstance(mem, Descs):
-            if kind is not None and MemKind(kind) is not mem.kind:
-                return cls(mem.array, kind, mem.tensors)
+            if kind is not None and kind != mem.kind:
+                return cls(mem.array, kind, mem.tensors)  # validates kind
             return mem
         if hasattr(mem, "data_ptr") or (isinstance(mem, np.ndarray) and mem.dtype != np.uint64 and mem.ndim != 2):
             return cls.from_buffers([mem], kind)
         if isinstance(mem, np.ndarray) and mem.ndim == 2 and mem.shape[1:] == (3,):
             return cls(mem, kind or MemKind.DRAM)
+        if isinstance(mem, (str, bytes, bytearray)) or not hasattr(mem, "__iter__"):
+            raise InvalidArgument(f"cannot describe memory with {type(mem).__name__}: pass Descs, an (n, 3) array, "
+                                  "(address, length, device) rows, or torch tensors / numpy arrays")
         seq = list(mem)
         if seq and (hasattr(seq[0], "data_ptr") or isinstance(seq[0], np.ndarray)):
             return cls.from_buffers(seq, kind)
-        return cls(np.array(seq, dtype=np.int64).reshape(-1, 3) if seq else np.zeros((0, 3)), kind or MemKind.DRAM)
+        try:
+            rows = np.array(seq, dtype=np.int64).reshape(-1, 3) if seq else np.zeros((0, 3))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidArgument(f"descriptor rows must be (address, length, device) integer triples: {e}") from None
+        return cls(rows, kind or MemKind.DRAM)
 
     # -- views --------------------------------------------------------------
 

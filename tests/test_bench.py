@@ -12,7 +12,7 @@ import pytest
 
 from kvt import cli
 from kvt.bench import (MEMCPY, RAW_NIXL, Case, EngineSpec, add_ratios, format_size, growth, make_plan,
-                       parse_size, run_engine, summarize)
+                       merge_rounds, parse_size, run_engine, summarize)
 from kvt.bench import report
 from kvt.bench.memcpy import MemcpyEngine
 from kvt.bench.timing import measure
@@ -96,6 +96,21 @@ def test_summarize_computes_medians_p99_and_bandwidth():
     assert (row["engine"], row["op"], row["bytes"], row["iters"], row["error"]) == ("host", "WRITE", 8 << 20, 4, None)
     with pytest.raises(ValueError):
         summarize("host", case, [0.1], [])
+
+
+def test_merge_rounds_pools_the_iterations_of_every_round():
+    case = Case("sweep", Op.READ, 4096, 2)
+    r1 = summarize("host", case, [0.001, 0.001], [0.001, 0.003])
+    r2 = summarize("host", case, [0.001], [0.009])
+    other = summarize("ucx", case, [0.5], [0.5])
+    merged = {r["engine"]: r for r in merge_rounds([r1, other, r2])}
+    host = merged["host"]
+    assert (host["iters"], host["rounds"]) == (3, 2) and "samples" not in host
+    assert host["median_s"] == pytest.approx(0.004)  # median of 2, 4 and 10 ms
+    assert host["p99_s"] == pytest.approx(np.percentile([0.002, 0.004, 0.010], 99))
+    assert (merged["ucx"]["iters"], merged["ucx"]["rounds"]) == (1, 1)
+    bad = merge_rounds([r1, {**r2, "error": "TransferError: x", "samples": None}])
+    assert bad[0]["error"] == "TransferError: x" and bad[0]["rounds"] == 2
 
 
 def _row(engine, gbps, **case):
@@ -212,7 +227,8 @@ def test_raw_nixl_baseline_runs_in_its_own_processes():
 def test_kvt_bench_quick_on_host_writes_table_json_and_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     out_json, out_png, out_md = tmp_path / "out.json", tmp_path / "out.png", tmp_path / "out.md"
-    code = cli.main(["bench", "--quick", "--backend", "host", "--baselines", "memcpy", "--block-sizes", "4K,64K",
+    code = cli.main(["bench", "--quick", "--rounds", "2", "--backend", "host", "--baselines", "memcpy",
+                     "--block-sizes", "4K,64K",
                      "--batches", "1,4", "--inflight", "1,2", "--scale", "100,1000", "--budget", "0.001",
                      "--min-iters", "2", "--no-progress", "--json", str(out_json), "--plot", str(out_png),
                      "--markdown", str(out_md)])
@@ -226,10 +242,11 @@ def test_kvt_bench_quick_on_host_writes_table_json_and_plot(tmp_path, capsys, mo
     assert n_cases == 2 * 4 + 2 + 2  # sweep 2x2 x (READ, WRITE); quick: in-flight 1, 2 and scale 100, 1000 READ only
     rows = doc["results"]
     assert len(rows) == 2 * n_cases and not any(r["error"] for r in rows)
+    assert doc["plan"]["rounds"] == 2 and all(r["rounds"] == 2 and "samples" not in r for r in rows)
     assert set(rows[0]) >= {"engine", "group", "op", "block", "batch", "inflight", "bytes", "iters", "gbps",
                             "median_s", "p99_s", "post_s", "complete_s", "x_memcpy", "x_raw_nixl"}
     host = [r for r in rows if r["engine"] == "host"]
-    assert all(r["x_memcpy"] > 0 and r["x_raw_nixl"] is None and r["iters"] >= 2 for r in host)
+    assert all(r["x_memcpy"] > 0 and r["x_raw_nixl"] is None and r["iters"] >= 2 * 2 for r in host)
     assert {(g["engine"], g["op"]) for g in doc["growth"]} == {(MEMCPY, "READ"), ("host", "READ")}
     assert out_png.read_bytes()[:8] == PNG_MAGIC
     md = out_md.read_text()

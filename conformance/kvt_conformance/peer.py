@@ -187,16 +187,20 @@ def _watch_parent(stop: threading.Event) -> None:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
+    # our stdout pipe carries one line, for the parent; whatever the backend
+    # prints goes to stderr (and cannot fill a pipe nobody reads)
+    to_parent = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     try:
         backend = build(spec["target"], spec["name"], spec["options"])
     except errors.KvtError as e:
-        print(f"KVT-PEER-ERROR {type(e).__name__}: {e}", flush=True)
+        print(f"KVT-PEER-ERROR {type(e).__name__}: {e}", file=to_parent, flush=True)
         return 3
     core = PeerCore(backend)
     stop = threading.Event()
     server = HandshakeServer(lambda body: _dispatch(core, stop, body)).start()
-    print(f"{_READY} {server.endpoint}", flush=True)
-    os.dup2(2, 1)  # stray output must not fill the pipe the parent no longer reads
+    print(f"{_READY} {server.endpoint}", file=to_parent, flush=True)
+    to_parent.close()
     threading.Thread(target=_watch_parent, args=(stop,), daemon=True).start()
     stop.wait(_LIFETIME)
     # a backend whose close() hangs must not keep the process alive
@@ -319,8 +323,16 @@ class ProcessPeer:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        """Freeze the process (SIGSTOP): alive, but answering nothing."""
+        """Freeze the process (SIGSTOP): alive, but answering nothing.
+        Returns once the kernel reports it stopped (signals are asynchronous)."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+            time.sleep(0.01)
+        raise RuntimeError(f"peer pid {self.proc.pid} did not stop within 5 s")
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)

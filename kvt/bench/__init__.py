@@ -4,7 +4,7 @@
 
     plan = make_plan(quick=True)
     out = run_engine(EngineSpec("host", "kvt", load_config("host")), plan)
-    rows = add_ratios(out.rows)
+    rows = add_ratios(merge_rounds(out.rows))
 
 Modules, one job each: ``plan`` (the cases and the timing policy),
 ``buffers`` (arenas in kvt shared memory), ``timing`` (the one timed loop
@@ -17,7 +17,7 @@ line is ``kvt.commands.bench``; docs/performance.md explains every figure.
 
 from .plan import GROUPS, Case, Plan, format_size, make_plan, parse_size
 from .runner import EngineSpec, Outcome, run_engine
-from .stats import MEMCPY, RAW_NIXL, add_ratios, growth, summarize
+from .stats import MEMCPY, RAW_NIXL, add_ratios, growth, merge_rounds, summarize
 
 __all__ = ["GROUPS", "Case", "Plan", "make_plan", "parse_size", "format_size", "EngineSpec", "Outcome",
-           "run_engine", "MEMCPY", "RAW_NIXL", "add_ratios", "growth", "summarize"]
+           "run_engine", "MEMCPY", "RAW_NIXL", "add_ratios", "growth", "merge_rounds", "summarize"]

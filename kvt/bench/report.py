@@ -20,7 +20,7 @@ __all__ = ["SCHEMA", "HEADERS", "cells", "table", "growth_table", "markdown", "d
 
 SCHEMA = "kvt-bench/1"
 HEADERS = ["group", "op", "block", "batch", "in flight", "engine", "GB/s", "median", "p99",
-           "post", "complete", "x memcpy", "x raw NIXL", "iters"]
+           "post", "complete", "x memcpy", "x raw NIXL", "iters"]  # iters: pooled over the rounds
 _RIGHT = set(HEADERS[2:5] + HEADERS[6:])
 
 
@@ -134,13 +134,13 @@ def machine() -> dict:
 
 
 def document(plan: Plan, outcomes: Sequence, rows: Sequence[dict], *, argv: Sequence[str], options: dict,
-             started: float, finished: float, machine_before: dict) -> dict:
+             rounds: int, started: float, finished: float, machine_before: dict) -> dict:
     """The JSON document (``SCHEMA``); keys are stable."""
     from .. import __version__
     return {"schema": SCHEMA, "kvt_version": __version__, "argv": list(argv), "options": options,
             "started": started, "finished": finished,
             "machine": {**machine_before, "loadavg_after": list(os.getloadavg())},
-            "plan": plan.describe(),
+            "plan": {**plan.describe(), "rounds": rounds},
             "engines": [{"name": o.spec.name, "kind": o.spec.kind,
                          "backend": o.spec.config.backend if o.spec.config else None,
                          "status": o.status, "reason": o.reason} for o in outcomes],

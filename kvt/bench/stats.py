@@ -10,6 +10,8 @@ A row is a plain dict (it goes to JSON as is)::
     post_s, complete_s    medians of the two parts of an iteration
     x_memcpy, x_raw_nixl  gbps / the baseline's gbps for the same case (or None)
     error                 None, or why the case failed (then the numbers are None)
+    samples               per-iteration post and completion times, until
+                          ``merge_rounds`` has pooled them (dropped from reports)
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..types import Op
 from .plan import Case
 
-__all__ = ["MEMCPY", "RAW_NIXL", "summarize", "failed", "add_ratios", "growth", "row_key"]
+__all__ = ["MEMCPY", "RAW_NIXL", "summarize", "failed", "merge_rounds", "add_ratios", "growth", "row_key"]
 
 #: engine names of the baselines
 MEMCPY, RAW_NIXL = "memcpy", "raw-nixl"
@@ -37,7 +40,8 @@ def summarize(engine: str, case: Case, post: Sequence[float], complete: Sequence
     return {"engine": engine, **case.as_dict(), "iters": int(lat.size),
             "gbps": case.nbytes / median / 1e9 if median > 0 else float("inf"),
             "median_s": median, "p99_s": float(np.percentile(lat, 99)), "min_s": float(lat.min()),
-            "post_s": float(np.median(post_a)), "complete_s": float(np.median(done_a)), "error": None}
+            "post_s": float(np.median(post_a)), "complete_s": float(np.median(done_a)), "error": None,
+            "samples": {"post": post_a.tolist(), "complete": done_a.tolist()}}
 
 
 def failed(engine: str, case: Case, error: str) -> dict:
@@ -47,6 +51,26 @@ def failed(engine: str, case: Case, error: str) -> dict:
 
 def row_key(row: dict) -> tuple:
     return (row["group"], row["op"], row["block"], row["batch"], row["inflight"])
+
+
+def merge_rounds(rows: Iterable[dict]) -> list[dict]:
+    """One row per engine and case, without samples: the iterations of every
+    round pooled and summarised again (``rounds`` says how many).  A case that
+    failed in any round keeps that round's error."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["engine"], row_key(r)), []).append(r)
+    out = []
+    for (engine, key), rs in groups.items():
+        bad = [r for r in rs if r["error"]]
+        if bad:
+            merged = bad[0]
+        else:
+            case = Case(key[0], Op(key[1]), *key[2:])
+            merged = summarize(engine, case, [t for r in rs for t in r["samples"]["post"]],
+                               [t for r in rs for t in r["samples"]["complete"]])
+        out.append({**{k: v for k, v in merged.items() if k != "samples"}, "rounds": len(rs)})
+    return out
 
 
 def add_ratios(rows: Iterable[dict]) -> list[dict]:

@@ -52,12 +52,18 @@ def register(subparsers: Any) -> None:
     timing.add_argument("--warmup", type=int, metavar="N", help="untimed iterations per case")
     timing.add_argument("--min-iters", type=int, metavar="N", help="timed iterations per case at least")
     timing.add_argument("--timeout", type=float, metavar="S", help="seconds one iteration may take (60)")
+    timing.add_argument("--rounds", type=int, metavar="N",
+                        help="run every engine N times, alternating their order, and pool the iterations "
+                             "(default: 2; 1 with --quick)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write every row and the run's settings as JSON")
     out.add_argument("--plot", metavar="FILE.png", help="plot bandwidth vs block size per backend")
     out.add_argument("--markdown", metavar="FILE", help="write the tables as GitHub markdown (for docs)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_arguments(p)
+    for action in p._actions:  # the shared flag names one backend; here it takes a list
+        if action.dest == "backend":
+            action.metavar, action.help = "LIST", "backends to measure, e.g. host,nixl,ucx (default: every installed one)"
     p.set_defaults(func=run)
 
 
@@ -108,38 +114,64 @@ def engine_specs(args: argparse.Namespace) -> list:
     return specs
 
 
+def _run_all(specs: list, plan, rounds: int, show_progress: bool) -> list:
+    """Every engine, ``rounds`` times; one combined ``Outcome`` per engine.
+
+    Rounds alternate the engine order (A B C, C B A, ...): on a machine whose
+    load drifts during the run, a steady drift then weighs on every engine
+    alike.  An engine that failed or was skipped once is not run again."""
+    from ..bench import Outcome, format_size, run_engine
+
+    results: dict[str, list] = {s.name: [] for s in specs}
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), disable=not show_progress, transient=True)
+    with progress:
+        task = progress.add_task("starting", total=len(plan.cases) * len(specs) * rounds)
+        for rnd in range(rounds):
+            for spec in specs if rnd % 2 == 0 else specs[::-1]:
+                if any(o.status != "ok" for o in results[spec.name]):
+                    progress.update(task, advance=len(plan.cases))
+                    continue
+                progress.update(task, description=f"{spec.name}: starting processes")
+
+                def on_row(row: dict, spec=spec) -> None:
+                    progress.update(task, advance=1, description=f"{spec.name}: {row['group']} {row['op']} "
+                                    f"{format_size(row['block'])} x {row['batch']} x {row['inflight']}")
+
+                outcome = run_engine(spec, plan, on_row)
+                progress.update(task, advance=len(plan.cases) - len(outcome.rows))
+                results[spec.name].append(outcome)
+    combined = []
+    for spec in specs:
+        outs = results[spec.name]
+        bad = next((o for o in outs if o.status != "ok"), None)
+        combined.append(Outcome(spec, bad.status if bad else "ok", bad.reason if bad else "",
+                                [r for o in outs for r in o.rows]))
+    return combined
+
+
 def run(args: argparse.Namespace) -> int:
-    from ..bench import add_ratios, format_size, report, run_engine
+    from ..bench import add_ratios, merge_rounds, report
 
     plan = _plan(args)
     specs = engine_specs(args)
+    rounds = args.rounds or (1 if args.quick else 2)
+    if rounds < 1:
+        raise InvalidArgument(f"--rounds must be at least 1, got {rounds}")
     if args.plot and "sweep" not in plan.meta["groups"]:
         raise InvalidArgument("--plot draws the sweep group; add sweep to --groups")
-    err = Console(stderr=True)
     before, started = report.machine(), time.time()
-    err.print(f"kvt bench: {len(plan.cases)} cases x {len(specs)} engines "
-              f"({', '.join(s.name for s in specs)}); {before['cpus']} CPUs, "
-              f"load average {before['loadavg'][0]:.2f}", style="dim", highlight=False)
-    outcomes = []
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=err, disable=args.no_progress, transient=True)
-    with progress:
-        task = progress.add_task("starting", total=len(plan.cases) * len(specs))
-        for spec in specs:
-            progress.update(task, description=f"{spec.name}: starting processes")
-
-            def on_row(row: dict, spec=spec) -> None:
-                progress.update(task, advance=1, description=f"{spec.name}: {row['group']} {row['op']} "
-                                f"{format_size(row['block'])} x {row['batch']} x {row['inflight']}")
-
-            outcome = run_engine(spec, plan, on_row)
-            progress.update(task, advance=len(plan.cases) - len(outcome.rows))
-            outcomes.append(outcome)
+    Console(stderr=True).print(
+        f"kvt bench: {len(plan.cases)} cases x {len(specs)} engines ({', '.join(s.name for s in specs)}) "
+        f"x {rounds} round(s); {before['cpus']} CPUs, load average {before['loadavg'][0]:.2f}",
+        style="dim", highlight=False)
+    outcomes = _run_all(specs, plan, rounds, not args.no_progress)
     engines = [o.spec.name for o in outcomes if o.rows]  # skipped and failed engines get no column
-    rows = report.ordered(add_ratios(r for o in outcomes for r in o.rows), plan, engines)
+    rows = report.ordered(add_ratios(merge_rounds(r for o in outcomes for r in o.rows)), plan, engines)
     # a pipe or file gets the whole table, not one squeezed to 80 columns
     console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
-    console.print(report.table(rows, title=f"kvt bench ({'quick' if args.quick else 'full'} sweep)"))
+    console.print(report.table(rows, title=f"kvt bench ({'quick' if args.quick else 'full'} sweep, "
+                                            f"{rounds} round{'s' if rounds > 1 else ''})"))
     growth = report.growth_table(rows)
     if growth is not None:
         console.print(growth)
@@ -155,9 +187,10 @@ def run(args: argparse.Namespace) -> int:
     console.print(Text(f"{before['cpus']} CPUs; load average {before['loadavg'][0]:.2f} before, "
                        f"{after['loadavg'][0]:.2f} after; GB/s = bytes per iteration / median latency", style="dim"))
     if args.json:
-        report.write_json(args.json, report.document(plan, outcomes, rows, argv=sys.argv, started=started,
-                                                     options={k: v for k, v in vars(args).items() if k != "func"},
-                                                     finished=time.time(), machine_before=before))
+        options = {k: v for k, v in vars(args).items() if k != "func"}
+        report.write_json(args.json, report.document(plan, outcomes, rows, argv=sys.argv, options=options,
+                                                     rounds=rounds, started=started, finished=time.time(),
+                                                     machine_before=before))
     if args.markdown:
         report.write_text(args.markdown, report.markdown(rows, engines))
     if args.plot:

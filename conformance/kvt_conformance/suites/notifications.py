@@ -15,12 +15,16 @@ from ..requirements import requires
 from ._common import assert_bytes
 
 
-def collect(backend, sender: str, count: int, timeout: float) -> list[bytes]:
+def collect(backend, sender: str, count: int, timeout: float, polling=None) -> list[bytes]:
     """Poll ``get_notifs`` until ``count`` messages from ``sender`` arrived
-    (fewer if ``timeout`` runs out); messages from others are ignored."""
+    (fewer if ``timeout`` runs out); messages from others are ignored.
+    ``polling``: a transfer of ours to poll meanwhile, as an engine polls
+    what it posted (some backends progress transfers only then)."""
     got: list[bytes] = []
 
     def enough() -> bool:
+        if polling is not None:
+            backend.check_state(polling)
         got.extend(backend.get_notifs().get(sender, ()))
         return len(got) >= count
 
@@ -111,8 +115,8 @@ class NotificationTests(BackendFixtures):
         src, dst = local_buffer(size, seed=33), local_buffer(size)
         ids = np.arange(self.nblocks)
         sp, dp = backend.prep(None, src.blocks(self.block, ids)), backend.prep(None, dst.blocks(self.block, ids))
-        backend.transfer(Op.READ, dp, None, sp, None, notif=b"local-done")
-        got = collect(backend, backend.agent_name, 1, wait_for)
+        handle = backend.transfer(Op.READ, dp, None, sp, None, notif=b"local-done")
+        got = collect(backend, backend.agent_name, 1, wait_for, polling=handle)
         snapshot = dst.read()  # first thing after the notification
         assert got == [b"local-done"]
         assert_bytes(snapshot, src.read(), "destination when the notification arrived")

@@ -87,9 +87,11 @@ class _Peer:
             segs = rows_of(md.segments)
         except ValueError as e:
             raise WireError(f"bad region table in metadata of {md.name!r}: {e}") from e
-        self.same_host = (transport != "tcp" and md.host_id == host_id()
-                          and start_time(md.pid) == md.start_time)
+        # on this host we can watch the peer's process; shm/cma also need transport != tcp
+        self.local_pid = md.host_id == host_id() and start_time(md.pid) == md.start_time
+        self.same_host = self.local_pid and transport != "tcp"
         self.cma_ok = self.same_host
+        self.failed: TransferError | None = None  # set when it dies or stops answering; cleared by fresh metadata
         if self.same_host and transport == "auto":
             for base, size, fd in segs.tolist():
                 if base not in self._maps:
@@ -112,7 +114,7 @@ class _Peer:
         return self._seg_local[where] + (rows[:, 0] - self._seg_rows.addrs[where])
 
     def alive(self) -> bool:
-        return not self.same_host or start_time(self.md.pid) == self.md.start_time
+        return not self.local_pid or start_time(self.md.pid) == self.md.start_time
 
     def socket(self) -> zmq.Socket:
         if self._sock is None:  # created and used only on this peer's worker thread
@@ -310,12 +312,19 @@ class HostBackend(Backend):
     def _run(self, job: _Job) -> None:
         if not job.state.pending:
             return  # cancelled or peer removed before we started
+        if job.peer is not None and job.peer.failed is not None:
+            # one timeout per dead peer, not one per queued transfer
+            job.finish(XferState.err(job.peer.failed))
+            return
         try:
             self._move(job)
             if job.notif is not None:
                 self._send_notif(job.peer, job.notif)
             job.finish(XferState.DONE)
         except TransferError as e:
+            if isinstance(e, (PeerDisconnected, TransferTimeout)) and job.peer is not None:
+                job.peer.failed = PeerDisconnected(f"peer {job.peer.name!r} is gone ({e}); "
+                                                   "re-add its metadata to try again")
             job.finish(XferState.err(e))
         except (KvtError, OSError, BufferError, ValueError, zmq.ZMQError) as e:
             job.finish(XferState.err(TransferError(f"{job.op.value} failed: {e}")))

@@ -13,10 +13,10 @@ NIXL does not do for us (see docs/backends/nixl.md):
   seconds turns to ``ERR`` with ``TransferTimeout``;
 * every NIXL exception mapped to kvt's error tree.
 
-The hot path (``transfer``, ``check_state``, ``release``) stays a few dict
-lookups around the NIXL calls: int32 index arrays go to NIXL untouched, and
-NIXL's own index and length checks run before any byte moves; only when
-NIXL refuses do we work out the precise kvt error.
+The hot path (``transfer``, ``check_state``, ``release``) is a few dict and
+attribute lookups around the NIXL calls: int32 index arrays go to NIXL
+untouched, NIXL's own index and length checks run before any byte moves, and
+only when NIXL refuses do we work out the precise kvt error.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from kvt.backend import Backend
@@ -41,22 +41,35 @@ __all__ = ["NixlBackend"]
 
 log = logging.getLogger(__name__)
 
+# module constants: enum members and dtypes are slow to look up on a microsecond path
 _PROC, _DONE = XferState.PROC, XferState.DONE
-_I32 = np.dtype(np.int32)
+_READ, _WRITE = Op.READ, Op.WRITE
+_ND, _I32 = np.ndarray, np.dtype(np.int32)
+_NEVER = float("inf")
 _MAX_ROWS = 2**31 - 1  # NIXL indexes descriptors with 32-bit ints
 
 
 class _Prep:
-    """A prepped list.  ``side`` is NIXL's handle for it: our side for
-    ``peer=None``, else the peer's.  ``loop`` is our list prepped again as
-    the target of a local transfer (NIXL wants both), made on first use.
-    ``gen`` is the generation of the peer (or of our registrations) it was
-    prepped against; a newer one means re-prep before use."""
+    """A prepped list and NIXL's handles for it.
 
-    __slots__ = ("peer", "descs", "side", "loop", "gen", "_all")
+    ``side`` is the handle for when the list is the local side of a
+    transfer (our own lists only); ``target`` for when it is the remote
+    side (a peer's list, or our own prepped again for a local transfer,
+    made on first use).  ``None`` sends the transfer down the slow path,
+    which (re)preps or says why not.  Handles made stale by a reload or a
+    deregistration stay alive in ``old`` until the prep is released: another
+    thread may be posting with them at this very moment."""
 
-    def __init__(self, peer: str | None, descs: Descs, side: Any, gen: int):
-        self.peer, self.descs, self.side, self.loop, self.gen, self._all = peer, descs, side, None, gen, None
+    __slots__ = ("peer", "descs", "side", "target", "old", "_all")
+
+    def __init__(self, peer: str | None, descs: Descs):
+        self.peer, self.descs = peer, descs
+        self.side = self.target = self._all = None
+        self.old: list[Any] = []
+
+    def retire(self) -> None:
+        self.old += [h for h in (self.side, self.target) if h is not None]
+        self.side = self.target = None
 
     def all_rows(self) -> np.ndarray:
         if self._all is None:
@@ -65,17 +78,13 @@ class _Prep:
 
 
 class _Xfer:
+    """A transfer that did not finish within its post: NIXL's handle (None
+    once freed), its peer, when it turns to TransferTimeout, its state."""
+
     __slots__ = ("handle", "peer", "deadline", "state")
 
-    def __init__(self, handle: Any, peer: str | None, deadline: float, state: XferState = _PROC):
-        self.handle, self.peer, self.deadline, self.state = handle, peer, deadline, state
-
-
-class _Peer:
-    __slots__ = ("regions", "gen")
-
-    def __init__(self, regions: dict[MemKind, Descs], gen: int):
-        self.regions, self.gen = regions, gen
+    def __init__(self, handle: Any, peer: str | None, state: XferState = _PROC):
+        self.handle, self.peer, self.deadline, self.state = handle, peer, _NEVER, state
 
 
 class NixlBackend(Backend):
@@ -107,15 +116,16 @@ class NixlBackend(Backend):
         self._agent = native.new_agent(
             agent_name, opts.backends, {b: {k: str(v) for k, v in p.items()} for b, p in opts.backend_params.items()},
             opts.num_threads, opts.progress_thread, {k: str(v) for k, v in opts.ucx_env.items()})
-        self._lock = threading.RLock()
-        self._gens = iter(range(1, 1 << 62))
-        self._local_gen = 0                              # bumped by every deregister
+        self._lock = threading.RLock()                   # guards everything but the hot path
         self._regs: dict[int, tuple[Descs, Any]] = {}    # handle -> (descs, NIXL reg list or None)
         self._regions: dict[MemKind, Descs] = {}         # everything registered, by kind
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, dict[MemKind, Descs]] = {}  # name -> the regions it advertised
         self._preps: dict[int, _Prep] = {}
-        self._xfers: dict[int, _Xfer] = {}
+        self._xfers: dict[int, Any] = {}                 # handle -> _Xfer, or NIXL's handle alone
+                                                         # for a transfer that finished within its post
         self._leaked: list[Any] = []                     # NIXL handles it would not free yet
+        # bound once: attribute lookups show on the microsecond hot path
+        self._make, self._post = self._agent.make_prepped_xfer, self._agent.transfer
 
     # -- memory ---------------------------------------------------------------
 
@@ -149,7 +159,7 @@ class NixlBackend(Backend):
                     raise native.translate(e, f"deregistering handle {handle}", InvalidArgument) from e
             del self._regs[handle]
             self._rebuild_regions()
-            self._local_gen = next(self._gens)  # preps may point into it: re-check them before use
+            self._retire(lambda p: p.peer is None)  # they may point into it: re-check before use
 
     def _rebuild_regions(self) -> None:
         by_kind: dict[MemKind, list[np.ndarray]] = {}
@@ -182,7 +192,8 @@ class NixlBackend(Backend):
                 if name not in self._peers:
                     self._agent.remove_remote_agent(name)
                 raise WireError(f"metadata says agent {md.name!r} but its NIXL part belongs to {name!r}")
-            self._peers[name] = _Peer(regions, next(self._gens))  # NIXL invalidated older preps
+            self._peers[name] = regions
+            self._retire(lambda p: p.peer == name)  # NIXL refuses lists prepped before a reload
         return name
 
     def remove_remote(self, peer: str) -> None:
@@ -191,14 +202,12 @@ class NixlBackend(Backend):
             if self._peers.pop(peer, None) is None:
                 raise UnknownPeer(self._unknown(peer))
             for x in list(self._xfers.values()):
-                if x.peer == peer and x.state is _PROC:
+                if x.__class__ is _Xfer and x.peer == peer and x.state is _PROC:
                     self._poll(x)
                     if x.state is _PROC:
                         x.state = XferState.err(PeerDisconnected(f"peer {peer!r} was removed"))
                         self._free_xfer(x, wait=False)
-            for p in self._preps.values():
-                if p.peer == peer:
-                    self._free_prep(p)
+            self._retire(lambda p: p.peer == peer)
             self._agent.remove_remote_agent(peer)  # returns a status; nothing to undo either way
 
     def _unknown(self, name: str) -> str:
@@ -213,121 +222,136 @@ class NixlBackend(Backend):
         self._check_kind(descs.kind)
         if len(descs) > _MAX_ROWS:
             raise InvalidArgument(f"{len(descs)} descriptors in one list; NIXL takes at most {_MAX_ROWS}")
-        if peer == self.agent_name:
-            peer = None
+        p = _Prep(None if peer == self.agent_name else peer, descs)
         with self._lock:
-            gen = self._check_prep(peer, descs)
-            p = _Prep(peer, descs, self._native_prep(peer, descs), gen)
+            self._check_within(p)
+            if p.peer is None:
+                p.side = self._native_prep(native.INIT_AGENT, descs)
+            else:
+                p.target = self._native_prep(p.peer, descs)
             h = self._next_id()
             self._preps[h] = p
         return PrepHandle(h)
 
-    def _check_prep(self, peer: str | None, descs: Descs) -> int:
-        """Check ``descs`` against the memory ``peer`` registered; its generation."""
-        if peer is None:
-            regions, gen, what = self._regions, self._local_gen, "local descriptors"
+    def _check_within(self, p: _Prep) -> None:
+        """``p``'s rows must lie in memory its owner registered (for a peer:
+        as its metadata tells); ``UnknownPeer`` if it is not loaded (any more)."""
+        if p.peer is None:
+            regions, what = self._regions, "local descriptors"
         else:
-            p = self._peers.get(peer)
-            if p is None:
-                raise UnknownPeer(self._unknown(peer))
-            regions, gen, what = p.regions, p.gen, f"descriptors of peer {peer!r}"
-        mine = regions.get(descs.kind)
-        descs.check_within(mine if mine is not None else Descs(np.zeros((0, 3), np.uint64), descs.kind), what)
-        return gen
+            regions, what = self._peers.get(p.peer), f"descriptors of peer {p.peer!r}"
+            if regions is None:
+                raise UnknownPeer(self._unknown(p.peer))
+        mine = regions.get(p.descs.kind)
+        p.descs.check_within(mine if mine is not None else Descs(np.zeros((0, 3), np.uint64), p.descs.kind), what)
 
-    def _native_prep(self, agent: str | None, descs: Descs) -> Any:
+    def _native_prep(self, agent: str, descs: Descs) -> Any:
         if not len(descs):
             return None  # NIXL cannot prep an empty list; transfers on it move nothing
         try:
-            return self._agent.prep_xfer_dlist(agent or native.INIT_AGENT, descs.array, descs.kind.value)
+            return self._agent.prep_xfer_dlist(agent, descs.array, descs.kind.value)
         except Exception as e:
-            raise native.translate(e, f"prepping {len(descs)} descriptors for {agent or 'this agent'}",
-                                   InvalidDescriptor, {"NIXL_ERR_NOT_FOUND": InvalidDescriptor}) from e
+            raise native.translate(e, f"prepping {len(descs)} descriptors for {agent}", InvalidDescriptor) from e
 
-    def _fresh(self, p: _Prep, target: bool) -> Any:
-        """The NIXL handle to use for ``p``: its own side, or (``target`` and
-        local) its loopback side; re-prepped first if it went stale."""
+    def _retire(self, match: Callable[[_Prep], bool]) -> None:
+        for p in self._preps.values():
+            if match(p):
+                p.retire()
+
+    def _sides(self, lp: _Prep, rp: _Prep) -> tuple[Any, Any]:
+        """The slow path to the two NIXL handles of a transfer: checks the
+        pairing, re-checks and re-preps stale lists, makes a loopback target."""
+        if lp.peer is not None:
+            raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
         with self._lock:
-            gen = self._check_prep(p.peer, p.descs)  # UnknownPeer if the peer was removed
-            if p.gen != gen:
-                self._free_prep(p)
-                p.side, p.gen = self._native_prep(p.peer, p.descs), gen
-            if target and p.peer is None and p.loop is None and len(p.descs):
-                p.loop = self._native_prep(self.agent_name, p.descs)
-            return p.loop if target and p.peer is None else p.side
+            if lp.side is None:
+                self._check_within(lp)
+                lp.side = self._native_prep(native.INIT_AGENT, lp.descs)
+            if rp.target is None:
+                self._check_within(rp)
+                rp.target = self._native_prep(rp.peer or self.agent_name, rp.descs)
+            return lp.side, rp.target
 
     def _free_prep(self, p: _Prep) -> None:
-        for h in (p.side, p.loop):
-            if h is not None:
-                try:
-                    self._agent.release_dlist_handle(h)
-                except Exception as e:  # nothing the caller can do; NIXL frees it at close
-                    log.warning("NIXL would not release a prepped list: %s", native.status_name(e))
-        p.side = p.loop = None
-        p.gen = -1
+        p.retire()
+        for h in p.old:
+            try:
+                self._agent.release_dlist_handle(h)
+            except Exception as e:  # nothing the caller can do; NIXL frees it at close
+                log.warning("NIXL would not release a prepped list: %s", native.status_name(e))
+        p.old.clear()
 
     # -- transfers ------------------------------------------------------------
 
     def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
+        # The hot path: only what NIXL does not check itself; argument errors
+        # NIXL finds are explained precisely in _refused.
         if self._closed:
             self._check_open()
-        if notif is not None or (op is not Op.READ and op is not Op.WRITE):
+        if notif is not None or (op is not _READ and op is not _WRITE):
             op = self._check_op(op, notif)
             if notif is not None and not len(notif):
                 raise InvalidArgument("NIXL cannot attach an empty notification to a transfer (it means "
                                       "'none'); send a non-empty message, or notify() separately")
-        lp, rp = self._preps.get(local_prep), self._preps.get(remote_prep)
-        if lp is None or rp is None:
-            raise InvalidHandle(f"no prepped list with handle {local_prep if lp is None else remote_prep!r} (released?)")
-        if lp.peer is not None:
-            raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
-        peer = rp.peer
-        lside = lp.side if lp.gen == self._local_gen else self._fresh(lp, False)
-        if peer is None:
-            rside = rp.loop if rp.gen == self._local_gen and rp.loop is not None else self._fresh(rp, True)
-        else:
-            known = self._peers.get(peer)
-            rside = rp.side if known is not None and rp.gen == known.gen else self._fresh(rp, False)
-        li = lp.all_rows() if local_idx is None else _rows(local_idx, lp, "local_idx")
-        ri = rp.all_rows() if remote_idx is None else _rows(remote_idx, rp, "remote_idx")
-        if not li.size or lside is None or rside is None:
-            return self._empty(lp, li, rp, ri, notif)
         try:
-            xh = self._agent.make_prepped_xfer(op, lside, li, rside, ri, notif or b"")
+            lp, rp = self._preps[local_prep], self._preps[remote_prep]
+        except (KeyError, TypeError):
+            raise InvalidHandle(f"no prepped list with handle {local_prep!r} or {remote_prep!r} (released?)") from None
+        lside, rside = lp.side, rp.target
+        if lside is None or rside is None:
+            lside, rside = self._sides(lp, rp)
+        try:  # int32 arrays go to NIXL as they are
+            fast = local_idx.dtype is _I32 and remote_idx.dtype is _I32
+        except AttributeError:  # None, lists
+            fast = False
+        if not fast:
+            local_idx, remote_idx = _rows(local_idx, lp, "local_idx"), _rows(remote_idx, rp, "remote_idx")
+        try:  # NIXL's op names as plain str: hashing an Enum member costs a Python call
+            xh = self._make("READ" if op is _READ else "WRITE", lside, local_idx, rside, remote_idx, notif or b"")
         except Exception as e:
-            if native.status_name(e) == "NIXL_ERR_INVALID_PARAM":
-                self._pair(lp.descs, li, rp.descs, ri)  # raises the precise InvalidArgument
-            raise native.translate(e, f"creating a {op.value} of {li.size} descriptors", InvalidArgument) from e
-        x = _Xfer(xh, peer, time.monotonic() + self.timeout)
+            return self._refused(e, op, lp, local_idx, rp, remote_idx, notif)
         try:
-            s = self._agent.transfer(xh)
-            if s == "DONE":  # small or same-host (cma) copies finish within the post
-                x.state = _DONE
-            elif s == "ERR":
-                self._poll(x)  # NIXL says why when asked
+            s = self._post(xh)
         except Exception as e:  # e.g. the peer is already gone
-            x.state = XferState.err(native.translate(e, f"posting a {op.value} to {peer or 'this agent'}", TransferError))
-        h = self._next_id()
+            x = _Xfer(xh, rp.peer, XferState.err(native.translate(
+                e, f"posting a {op.value} to {rp.peer or 'this agent'}", TransferError)))
+        else:
+            if s == "DONE":  # small or same-host (cma) copies finish within the post:
+                x = xh       # NIXL's handle alone is the cheapest record of that
+            else:
+                x = _Xfer(xh, rp.peer)
+                if s == "ERR":
+                    self._poll(x)  # NIXL says why when asked
+                else:
+                    x.deadline = time.monotonic() + self.timeout
+        h = next(self._ids)  # the base class's id space (a C iterator: atomic under the GIL)
         self._xfers[h] = x
-        return XferHandle(h)
+        return h  # type: ignore[return-value]  (XferHandle is an int)
 
-    def _empty(self, lp: _Prep, li: np.ndarray, rp: _Prep, ri: np.ndarray, notif: bytes | None) -> XferHandle:
-        """A transfer of no rows (NIXL refuses those): DONE at once; its
-        notification is still delivered."""
-        self._pair(lp.descs, li, rp.descs, ri)  # equal (zero) counts, in range
+    def _refused(self, e: Exception, op: Op, lp: _Prep, li: np.ndarray, rp: _Prep, ri: np.ndarray,
+                 notif: bytes | None) -> XferHandle:
+        """NIXL would not create the transfer: the precise kvt error when the
+        arguments are at fault; a transfer of no rows (which NIXL refuses)
+        is DONE at once, its notification still delivered."""
+        self._pair(lp.descs, li, rp.descs, ri)  # raises InvalidArgument naming what is wrong
+        if li.size:
+            raise native.translate(e, f"creating a {op.value} of {li.size} descriptors", InvalidArgument) from e
         if notif is not None:
             self._send_notif(rp.peer or self.agent_name, notif)
-        h = self._next_id()
-        self._xfers[h] = _Xfer(None, rp.peer, 0.0, _DONE)
-        return XferHandle(h)
+        h = next(self._ids)
+        self._xfers[h] = _Xfer(None, rp.peer, _DONE)
+        return h  # type: ignore[return-value]
 
     def check_state(self, handle: XferHandle) -> XferState:
         if self._closed:
             self._check_open()
-        x = self._xfers.get(handle)
-        if x is None:
-            raise InvalidHandle(f"no transfer with handle {handle!r} (released?)")
+        try:
+            x = self._xfers[handle]
+        except (KeyError, TypeError):
+            raise InvalidHandle(f"no transfer with handle {handle!r} (released?)") from None
+        if x.__class__ is not _Xfer:  # NIXL's handle alone: DONE within its post
+            return _DONE
         if x.state is _PROC:
             self._poll(x)
         return x.state
@@ -352,15 +376,19 @@ class NixlBackend(Backend):
         if self._closed:
             self._check_open()
         x = self._xfers.pop(handle, None)
-        if x is not None:
-            if x.handle is not None:
-                self._free_xfer(x, wait=True)
-            return
-        with self._lock:
-            p = self._preps.pop(handle, None)
-            if p is None:
-                raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
-            self._free_prep(p)
+        if x is None:
+            with self._lock:
+                p = self._preps.pop(handle, None)
+                if p is None:
+                    raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
+                self._free_prep(p)
+        elif x.__class__ is not _Xfer:  # finished within its post
+            try:
+                self._agent.release_xfer_handle(x)
+            except Exception:  # not expected of a finished transfer; retried at close
+                self._leaked.append(x)
+        elif x.handle is not None:
+            self._free_xfer(x, wait=True)
 
     def _free_xfer(self, x: _Xfer, wait: bool) -> None:
         """Release NIXL's handle.  NIXL cancels what it can; one it cannot
@@ -414,8 +442,7 @@ class NixlBackend(Backend):
         self._closed = True
         with self._lock:
             for x in self._xfers.values():
-                if x.handle is not None:
-                    self._free_xfer(x, wait=False)
+                self._leaked.append(x.handle if x.__class__ is _Xfer else x)
             for p in self._preps.values():
                 self._free_prep(p)
             for descs, reg in self._regs.values():
@@ -430,23 +457,26 @@ class NixlBackend(Backend):
                 except Exception:
                     pass
             for h in self._leaked:  # last try; the agent's destructor gets the rest
-                try:
-                    self._agent.release_xfer_handle(h)
-                except Exception:
-                    pass
+                if h is not None:
+                    try:
+                        self._agent.release_xfer_handle(h)
+                    except Exception:
+                        pass
             self._xfers.clear()
             self._preps.clear()
             self._regs.clear()
             self._peers.clear()
             self._leaked.clear()
             self._regions = {}
-            self._agent = None  # the last reference: NIXL's destructor stops its threads
+            self._agent = self._make = self._post = None  # the last references: NIXL's destructor stops its threads
 
 
 def _rows(idx: Any, prep: _Prep, what: str) -> np.ndarray:
-    """Row indices as the int32 array NIXL takes.  An int32 array passes
-    untouched (NIXL checks its range); anything else is validated first,
-    since NIXL would silently wrap wider integers."""
-    if type(idx) is np.ndarray and idx.dtype is _I32 and idx.ndim == 1:
+    """Row indices as the int32 array NIXL takes.  One already (an int32
+    numpy array) passes as it is: NIXL checks its range and shape.  Others
+    are validated first, since NIXL would silently wrap wider integers."""
+    if idx is None:
+        return prep.all_rows()
+    if getattr(idx, "dtype", None) is _I32 and type(idx) is _ND:
         return idx
     return as_index(idx, len(prep.descs), what).astype(np.int32)

@@ -83,7 +83,7 @@ class Peer:
 
     def __init__(self, name: str, options: dict | None = None):
         ctx = mp.get_context("spawn")
-        self.name = name
+        self.name, self.frozen = name, False
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(name, dict(options or {}), child), daemon=True)
         self.proc.start()
@@ -111,6 +111,7 @@ class Peer:
         return Descs.from_blocks(self.addr, block, ids)
 
     def freeze(self) -> None:
+        self.frozen = True
         os.kill(self.pid, signal.SIGSTOP)
 
     def kill(self) -> None:
@@ -119,7 +120,7 @@ class Peer:
         self.proc.join(10)
 
     def close(self) -> None:
-        if self.proc.is_alive():
+        if self.proc.is_alive() and not self.frozen:
             try:
                 self._conn.send(("stop",))
             except OSError:
@@ -143,3 +144,23 @@ def settle(backend, handle, timeout: float = 15.0):
         assert time.monotonic() < deadline, f"transfer {handle} still PROC after {timeout}s"
         time.sleep(0.0005)
     return state
+
+
+def serve_agent(name: str, conn) -> None:
+    """A kvt ``Agent`` on the nixl backend serving one layout ``kv`` (the
+    pattern) until the test sends "stop"; "contents" returns its memory."""
+    from kvt import Agent
+
+    buf = np.empty((NUM_BLOCKS, BLOCK), np.uint8)
+    buf[:] = pattern()
+    with Agent(name=name, backend="nixl", options={"timeout": 5.0}) as agent:
+        agent.register_blocks("kv", [buf])
+        conn.send(agent.listen())
+        while conn.poll(120):
+            cmd = conn.recv()
+            if cmd == "stop":
+                return
+            if cmd == "contents":
+                conn.send(buf.tobytes())
+            elif cmd == "notif":
+                conn.send(agent.wait_notif(timeout=20))

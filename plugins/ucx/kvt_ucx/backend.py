@@ -203,7 +203,7 @@ class UcxBackend(Backend):
         on_device = lp.descs.kind is not MemKind.DRAM or rp.descs.kind is not MemKind.DRAM
         plan = make_plan(lrows, rrows, rregion, sender_is_local=op is Op.WRITE, zcopy_min=o.zcopy_min,
                          stage_max=o.stage_max, in_place_only=on_device)
-        x = Xfer(op=op, peer=ident, kind=rp.descs.kind, plan=plan,
+        x = Xfer(op=op, peer=ident, kind=rp.descs.kind, local_kind=lp.descs.kind, plan=plan,
                  notif=None if notif is None else bytes(notif), deadline=time.monotonic() + self.timeout)
         h = self._next_id()
         self._xfers[h] = x

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import msgspec
 import numpy as np
-from kvt.errors import (ClosedError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError,
+from kvt.errors import (ClosedError, ConfigError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError,
                         TransferTimeout)
 from kvt.types import Descs, MemKind, Op, XferState
 
@@ -123,7 +123,8 @@ class Xfer:
 
     op: Op
     peer: Ident
-    kind: MemKind
+    kind: MemKind            # of the remote rows (the target checks them against this kind)
+    local_kind: MemKind
     plan: Plan
     notif: bytes | None
     deadline: float
@@ -165,8 +166,9 @@ class Engine:
             self.worker = api.UCXWorker(self.ctx)
             self.worker.init_blocking_progress_mode()
             address = bytes(self.worker.address)
-        except Exception as e:  # ucxx raises its own errors and RuntimeError for bad config
-            raise native.to_kvt(e, "creating the UCX context and worker") from e
+        except Exception as e:  # ucxx raises its own errors (InvalidParam, NoDevice...) for bad settings
+            raise ConfigError(f"UCX refused to start with settings {dict(opts.ucx)} (option 'ucx') and the "
+                              f"UCX_* environment: {type(e).__name__}: {e}") from e
         pid = os.getpid()
         self.ident = Ident(name=name, address=address, uid=secrets.randbelow((1 << 31) - 1) + 1,
                            host=host_id(), pid=pid, start=start_time(pid))
@@ -383,7 +385,7 @@ class Engine:
         self._xfers[x.seq] = x
         try:
             if x.op is Op.READ:
-                for j, buf in self._buffers(x.stages, p.local, p.bounds, p.staged, x.kind):
+                for j, buf in self._buffers(x.stages, p.local, p.bounds, p.staged, x.local_kind):
                     x.reqs.add(self.worker.tag_recv(buf, self._tag(self.ident.uid, x.seq + j)), j)
             self._send_ctrl(x.peer, Request(
                 src=self.ident, seq=x.seq, op=x.op.value, kind=x.kind.value, ranges=p.remote.tobytes(),
@@ -405,7 +407,7 @@ class Engine:
             try:
                 ep = self._endpoint(x.peer)
                 p = x.plan
-                for j, buf in self._buffers(x.stages, p.local, p.bounds, p.staged, x.kind, fill=True):
+                for j, buf in self._buffers(x.stages, p.local, p.bounds, p.staged, x.local_kind, fill=True):
                     x.reqs.add(ep.tag_send(buf, self._tag(self.ident.uid, x.seq + j)), j)
             except Exception as e:
                 self._fail(x, e if isinstance(e, TransferError) else native.to_kvt(e, "sending WRITE data"))

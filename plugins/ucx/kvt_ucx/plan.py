@@ -93,14 +93,18 @@ def make_plan(lrows: np.ndarray, rrows: np.ndarray, rregion: np.ndarray, *, send
                 bounds=bounds.astype(np.int64), staged=staged)
 
 
-def _groups(addrs: np.ndarray, lens: np.ndarray, by_residue: bool):
-    """``(start, stop)`` of maximal stretches with equal length (and equal
-    address modulo the length, if ``by_residue``)."""
+def _stretches(rows: np.ndarray, by_residue: bool):
+    """Maximal stretches of rows with equal length (and equal address modulo
+    the length, if ``by_residue``): ``(addresses, length, lo, hi)`` where
+    ``lo:hi`` is the stretch's place in the packed buffer."""
+    addrs, lens = rows[:, 0], rows[:, 1]
     change = lens[1:] != lens[:-1]
     if by_residue:
         change |= (addrs[1:] % lens[1:]) != (addrs[:-1] % lens[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], change)))
-    return zip(starts.tolist(), np.append(starts[1:], len(lens)).tolist())
+    starts = np.flatnonzero(np.concatenate(([True], change))).tolist()
+    offs = np.concatenate(([0], np.cumsum(lens, dtype=np.uint64))).astype(np.int64)
+    for s, e in zip(starts, starts[1:] + [len(lens)]):
+        yield addrs[s:e], int(lens[s]), int(offs[s]), int(offs[e])
 
 
 def gather(rows: np.ndarray, out: np.ndarray) -> None:
@@ -109,16 +113,11 @@ def gather(rows: np.ndarray, out: np.ndarray) -> None:
     Rows of one length whose addresses agree modulo that length are rows of
     one C-contiguous ``(n, length)`` view, so each such stretch is a single
     ``np.take`` (memcpy per row, no per-row Python)."""
-    addrs, lens = rows[:, 0], rows[:, 1]
-    off = 0
-    for s, e in _groups(addrs, lens, by_residue=True):
-        size = int(lens[s])
-        a = addrs[s:e]
+    for a, size, lo, hi in _stretches(rows, by_residue=True):
         base = int(a.min())
         idx = ((a - np.uint64(base)) // np.uint64(size)).astype(np.intp)
         src = host_view(base, (int(idx.max()) + 1, size))
-        np.take(src, idx, axis=0, out=out[off:off + (e - s) * size].reshape(e - s, size), mode="clip")
-        off += (e - s) * size
+        np.take(src, idx, axis=0, out=out[lo:hi].reshape(-1, size), mode="clip")
 
 
 def scatter(rows: np.ndarray, buf: np.ndarray) -> None:
@@ -127,13 +126,7 @@ def scatter(rows: np.ndarray, buf: np.ndarray) -> None:
     A stretch of rows of one length is one fancy assignment into a view whose
     items are ``length``-byte records starting at every byte, so any
     addresses work."""
-    addrs, lens = rows[:, 0], rows[:, 1]
-    off = 0
-    for s, e in _groups(addrs, lens, by_residue=False):
-        size = int(lens[s])
-        a = addrs[s:e]
+    for a, size, lo, hi in _stretches(rows, by_residue=False):
         base = int(a.min())
-        span = int(a.max()) - base + 1
-        dst = host_view(base, span, f"V{size}", (1,))
-        dst[(a - np.uint64(base)).astype(np.intp)] = buf[off:off + (e - s) * size].view(f"|V{size}")
-        off += (e - s) * size
+        dst = host_view(base, int(a.max()) - base + 1, f"V{size}", (1,))
+        dst[(a - np.uint64(base)).astype(np.intp)] = buf[lo:hi].view(f"V{size}")

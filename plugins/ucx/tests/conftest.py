@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned peers import ucx_peer from here
 
-from ucx_peer import peer_process  # noqa: E402
+from ucx_peer import LOOPBACK_ONLY, peer_process  # noqa: E402
 
 TIMEOUT = 5.0  # the backends' ``timeout`` option in these tests
 
@@ -18,7 +18,7 @@ def make_backend():
     made = []
 
     def make(name: str = "initiator", **options):
-        b = UcxBackend(name, {"timeout": TIMEOUT, **options})
+        b = UcxBackend(name, {"timeout": TIMEOUT, "ucx": LOOPBACK_ONLY, **options})
         made.append(b)
         return b
 

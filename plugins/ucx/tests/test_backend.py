@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from kvt import registry
@@ -27,12 +30,13 @@ def test_cuda_memory_declared_only_with_a_cuda_device(backend):
                                      {"stage_max": "big"}, {"ucx": "TLS=tcp"}])
 def test_bad_options_are_config_errors(options):
     with pytest.raises(ConfigError):
-        UcxBackend("x", options)
+        UcxBackend("x", options)  # rejected before UCX starts
 
 
-def test_bad_ucx_setting_is_a_kvt_error():
-    with pytest.raises(TransferError):
-        UcxBackend("x", {"ucx": {"NO_SUCH_SETTING_XYZ": "1"}}).close()
+@pytest.mark.parametrize("setting", [{"NO_SUCH_SETTING_XYZ": "1"}, {"TLS": "no_such_transport"}])
+def test_ucx_refusing_its_settings_is_a_config_error(setting):
+    with pytest.raises(ConfigError, match="UCX refused"):
+        UcxBackend("x", {"ucx": {**setting, "NET_DEVICES": "lo"}}).close()
 
 
 def test_ucxx_errors_map_into_kvt_tree():
@@ -76,3 +80,14 @@ def test_close_is_idempotent_and_final(backend):
     backend.close()
     with pytest.raises(ClosedError):
         backend.local_metadata()
+
+
+def test_without_ucxx_it_says_why_it_is_unusable():
+    code = ("import sys; sys.modules['ucxx'] = None\n"
+            "from kvt_ucx import UcxBackend\n"
+            "from kvt.errors import BackendUnavailable\n"
+            "a = UcxBackend.availability(); print(a.usable, a.reason)\n"
+            "try:\n    UcxBackend('x')\nexcept BackendUnavailable as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("False ucxx is not importable") and "pip install ucxx-cu12" in out
+    assert "refused: ucxx is not importable" in out

@@ -5,7 +5,7 @@ import kvt_conformance as kc
 
 class Ucx:
     backend_target = "ucx"
-    backend_options = {"timeout": 5.0}
+    backend_options = {"timeout": 5.0, "ucx": {"NET_DEVICES": "lo"}}  # UCX's TCP on loopback only
 
 
 class TestRegistration(Ucx, kc.RegistrationTests):

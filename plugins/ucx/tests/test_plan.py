@@ -69,3 +69,11 @@ def test_gather_then_scatter_moves_every_row(sizes):
     for sa, da, n in zip(slots[:40].tolist(), slots[40:].tolist(), lens.tolist()):
         np.testing.assert_array_equal(dst[da:da + n], src[sa:sa + n])
     assert int(np.count_nonzero(dst)) <= int(lens.sum())
+
+
+def test_4096_small_blocks_are_a_few_messages_not_4096():
+    rng = np.random.default_rng(3)
+    l = _rows(rng.permutation(8192)[:4096] * 4096, 4096)
+    r = _rows(rng.permutation(8192)[:4096] * 4096 + (1 << 40), 4096)
+    p = make_plan(l, r, np.zeros(4096, np.int64), sender_is_local=False, zcopy_min=256 << 10, stage_max=4 << 20)
+    assert p.messages == 4 and p.staged.all()

@@ -82,6 +82,26 @@ def test_batch_mixes_staged_and_in_place_messages(make_backend, peer, op):
     np.testing.assert_array_equal(dst[ids], _blocks(want)[ids])
 
 
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+def test_many_in_place_messages(make_backend, peer, op):
+    """With ``zcopy_min=1`` every block is its own in-place message (the path
+    device memory always takes): 200 messages posted at once, all land."""
+    backend = make_backend(zcopy_min=1)
+    want = pattern(10, NBYTES)
+    if op is Op.READ:
+        peer.fill(10)
+    local, _, lp, rp = _setup(backend, peer)
+    if op is Op.WRITE:
+        local[:] = want
+    rng = np.random.default_rng(4)
+    lids, rids = rng.permutation(NBLK)[:200], rng.permutation(NBLK)[:200]
+    _done(backend, backend.transfer(op, lp, lids, rp, rids))
+    if op is Op.READ:
+        np.testing.assert_array_equal(_blocks(local)[lids], _blocks(want)[rids])
+    else:
+        np.testing.assert_array_equal(_blocks(peer.contents()[0])[rids], _blocks(want)[lids])
+
+
 def test_write_notification_arrives_after_its_data(backend, peer):
     local, _, lp, rp = _setup(backend, peer)
     local[:] = pattern(4, NBYTES)

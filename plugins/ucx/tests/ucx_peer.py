@@ -18,6 +18,8 @@ import numpy as np
 NBYTES = 1 << 20   # main buffer
 EXTRA = 1 << 16    # a second registration the tests can withdraw
 _CMD_TIMEOUT = 60.0
+#: UCX's TCP transport would listen on every network interface; tests stay on loopback
+LOOPBACK_ONLY = {"NET_DEVICES": "lo"}
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:
@@ -121,7 +123,7 @@ class Peer:
 def peer_process(name: str = "peer", **options):
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(theirs, name, {"timeout": 5.0, **options}), daemon=True)
+    proc = ctx.Process(target=_serve, args=(theirs, name, {"timeout": 5.0, "ucx": LOOPBACK_ONLY, **options}), daemon=True)
     proc.start()
     try:
         if not ours.poll(60):

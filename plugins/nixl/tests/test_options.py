@@ -1,0 +1,97 @@
+"""Options from kvt configuration, capabilities as data, and availability."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from kvt.errors import BackendUnavailable, ConfigError, UnsupportedOperation
+from kvt.types import Descs, MemKind, Op
+from kvt_nixl import native
+from kvt_nixl.backend import NixlBackend
+from peerproc import BLOCK, NUM_BLOCKS, load, pattern, settle
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"num_threads": -1}, "num_threads"), ({"backends": []}, "backends"), ({"backends": "UCX"}, "backends"),
+    ({"backends": ["NO_SUCH_PLUGIN"]}, "NO_SUCH_PLUGIN"), ({"progress_thread": "yes"}, "progress_thread"),
+    ({"ucx_env": {"PATH": "/x"}}, "UCX_"), ({"ucx_env": ["UCX_TLS"]}, "ucx_env"), ({"timeout": 0}, "timeout"),
+    ({"backend_params": {"UCX": "none"}}, "backend_params"),
+])
+def test_bad_options_name_the_field(options, field):
+    with pytest.raises(ConfigError, match=field):
+        NixlBackend("bad-options", options)
+
+
+def test_ucx_env_reaches_ucx_and_is_restored():
+    """A transport UCX does not have makes the UCX backend fail to start:
+    proof the setting reached UCX.  Either way the environment is restored."""
+    before = os.environ.get("UCX_TLS")
+    with pytest.raises(BackendUnavailable, match="UCX_TLS"):
+        NixlBackend("bad-tls", {"ucx_env": {"UCX_TLS": "no_such_transport"}})
+    assert os.environ.get("UCX_TLS") == before
+
+
+def test_tcp_only_still_moves_bytes(make_backend, peer, local_buf):
+    before = os.environ.get("UCX_TLS")
+    b = make_backend(ucx_env={"UCX_TLS": "tcp,self"}, num_threads=1, progress_thread=False,
+                     backend_params={"UCX": {"ucx_error_handling_mode": "peer"}})
+    assert os.environ.get("UCX_TLS") == before
+    b.register(Descs.from_buffers([local_buf]))
+    name = load(b, peer)
+    lp = b.prep(None, Descs.from_blocks(local_buf.ctypes.data, BLOCK, range(NUM_BLOCKS)))
+    rp = b.prep(name, peer.blocks(range(NUM_BLOCKS)))
+    assert settle(b, b.transfer(Op.READ, lp, None, rp, None, notif=b"tcp")).done
+    np.testing.assert_array_equal(local_buf, pattern())
+    assert peer.call("take", b.agent_name, 1) == [b"tcp"]
+
+
+def test_unknown_options_are_logged_not_fatal(make_backend, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvt_nixl.options"):
+        make_backend(progress_threads=False)
+    assert "progress_threads" in caplog.text
+
+
+def test_capabilities_are_data_and_enforced(make_backend):
+    caps = NixlBackend.capabilities
+    assert caps.ops == frozenset(Op) and caps.notifications and caps.remote and caps.local
+    assert (MemKind.VRAM in caps.mem_kinds) == native.cuda_present()
+    assert MemKind.DEVICE not in caps.mem_kinds
+    b = make_backend()
+    with pytest.raises(UnsupportedOperation, match="DEVICE"):
+        b.register(Descs.from_regions(0x1000, 64, kind=MemKind.DEVICE))
+    if not native.cuda_present():
+        with pytest.raises(UnsupportedOperation, match="VRAM"):
+            b.register(Descs.from_regions(0x1000, 64, kind=MemKind.VRAM))
+
+
+def _availability_in_child(code: str, env: dict | None = None) -> dict:
+    script = code + ("\nfrom kvt_nixl.backend import NixlBackend\nimport json\n"
+                     "a = NixlBackend.availability()\ntry:\n    NixlBackend('x')\n    built = 'built'\n"
+                     "except Exception as e:\n    built = type(e).__name__ + ': ' + str(e)\n"
+                     "print(json.dumps({'usable': a.usable, 'reason': a.reason, 'built': built}))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_usable_here():
+    assert NixlBackend.availability().usable, NixlBackend.availability().reason
+
+
+def test_says_why_when_nixl_cannot_be_imported():
+    got = _availability_in_child("import sys; sys.modules['nixl'] = None  # as if not installed")
+    assert not got["usable"] and "'nixl' package cannot be imported" in got["reason"]
+    assert got["built"].startswith("BackendUnavailable") and "pip install nixl" in got["built"]
+
+
+def test_says_why_when_there_is_no_ucx_plugin(tmp_path):
+    got = _availability_in_child("", {"NIXL_PLUGIN_DIR": str(tmp_path)})
+    assert not got["usable"] and "no UCX plugin" in got["reason"] and str(tmp_path) in got["reason"]
+    assert got["built"].startswith("BackendUnavailable")
