@@ -88,6 +88,13 @@ class Session:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_target, args=(env, kvt_options, with_raw, child), daemon=True)
         self._proc.start()
+        try:
+            self._start(env, kvt_options, with_raw)
+        except BaseException:
+            self._proc.kill()
+            raise
+
+    def _start(self, env: dict, kvt_options: dict, with_raw: bool) -> None:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -107,7 +114,7 @@ class Session:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         if not self._conn.poll(120):
-            raise SystemExit("the target process did not start")
+            raise TimeoutError("the target process did not start")
         raw_md, kvt_md, self.remote = self._conn.recv()
         self.raw_peer = self.raw.add_remote_agent(raw_md).decode() if with_raw else None
         self.kvt_peer = self.kvt.add_remote(kvt_md)
@@ -156,23 +163,15 @@ class Session:
         return dt
 
 
-def _alternate(reps: int, raw: Callable[[], float], kvt: Callable[[], float]) -> tuple[float, float]:
-    """Medians of ``reps`` runs each, raw and kvt alternating, after one warm-up each."""
+def _alternate(reps: int, raw: Callable[[], float], kvt: Callable[[], float], batch: int = 1) -> tuple[float, float]:
+    """Medians of ``reps`` runs each after a warm-up, in batches of ``batch``
+    runs, raw and kvt alternating in ABBA order (so neither always goes first)."""
     raw(), kvt()
-    r, k = [], []
-    for _ in range(reps):
-        r.append(raw())
-        k.append(kvt())
-    return statistics.median(r), statistics.median(k)
-
-
-def _alternate_batches(iters: int, raw: Callable[[], float], kvt: Callable[[], float],
-                       batch: int = 100) -> tuple[float, float]:
-    """Like ``_alternate`` for microsecond operations: batches of ``batch`` runs."""
-    r, k = [], []
-    for _ in range(max(1, iters // batch)):
-        r += [raw() for _ in range(batch)]
-        k += [kvt() for _ in range(batch)]
+    r: list[float] = []
+    k: list[float] = []
+    for i in range(max(1, reps // batch)):
+        for fn, out in ((raw, r), (kvt, k)) if i % 2 == 0 else ((kvt, k), (raw, r)):
+            out += [fn() for _ in range(batch)]
     return statistics.median(r), statistics.median(k)
 
 
@@ -198,8 +197,8 @@ def overhead(args) -> list[tuple[str, str, str, str, str]]:
         idx = [np.array([i], np.int32) for i in rng.integers(0, 4096, 64)]
         for op in ("READ", "WRITE"):
             it = iter(range(1 << 62))
-            r, k = _alternate_batches(args.lat_iters, lambda: s.raw_xfer(op, rl, idx[next(it) % 64], idx[0]),
-                                      lambda: s.kvt_xfer(ops[op], kl, idx[next(it) % 64], idx[0]))
+            r, k = _alternate(args.lat_iters, lambda: s.raw_xfer(op, rl, idx[next(it) % 64], idx[0]),
+                              lambda: s.kvt_xfer(ops[op], kl, idx[next(it) % 64], idx[0]), batch=100)
             rows.append((f"4 KiB round trip {op} (post + poll to DONE)", f"{r * 1e6:.2f} us",
                          f"{k * 1e6:.2f} us", f"{k / r:.3f}", "<= 1.2"))
         r, k = _alternate(max(3, args.reps // 3), lambda: _build_raw(s), lambda: _build_kvt(s))
@@ -238,7 +237,7 @@ def tls_sweep(args) -> list[tuple[str, ...]]:
     src, dst = np.full(SIZE, 7, np.uint8), np.ones(SIZE, np.uint8)
     cp = statistics.median([_timed(lambda: np.copyto(dst, src)) for _ in range(args.reps)])
     rows = [("memcpy, same process (baseline)", "-", f"{SIZE / cp / 1e9:.2f}", f"{SIZE / cp / 1e9:.2f}", "-")]
-    for tls in SWEEP_TLS:
+    for tls in args.tls_sweep or SWEEP_TLS:
         for mode in ("peer", "none"):
             env = {} if tls == "default" else {"UCX_TLS": tls}
             opts = {"ucx_env": env, "backend_params": {"UCX": {"ucx_error_handling_mode": mode}},
@@ -277,10 +276,11 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=15, help="timed runs per bandwidth case (median)")
+    ap.add_argument("--reps", type=int, default=21, help="timed runs per bandwidth case (median)")
     ap.add_argument("--lat-iters", type=int, default=3000, help="timed round trips per latency case (median)")
     ap.add_argument("--ucx-tls", default=None, help="UCX_TLS for both processes (default: UCX's choice)")
-    ap.add_argument("--tls-sweep", action="store_true", help="time kvt under several UCX_TLS values instead")
+    ap.add_argument("--tls-sweep", nargs="*", metavar="TLS", default=None,
+                    help=f"time kvt under these UCX_TLS values instead (default: {' '.join(SWEEP_TLS)})")
     ap.add_argument("--progress-thread", action="store_true",
                     help="run NIXL's progress thread in every agent (it polls without sleeping: on a 2-core "
                          "machine four of them crowd out the measurement); default: off everywhere, the "
@@ -290,7 +290,7 @@ def main() -> None:
     from importlib.metadata import version
 
     started, load = time.time(), os.getloadavg()[0]
-    if args.tls_sweep:
+    if args.tls_sweep is not None:
         table = _table(("UCX_TLS", "ucx_error_handling_mode", "READ 1 x 256 MiB GB/s", "WRITE 1 x 256 MiB GB/s",
                         "READ 4096 x 64 KiB GB/s"), tls_sweep(args))
     else:

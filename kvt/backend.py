@@ -36,11 +36,11 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from .errors import ClosedError, InvalidArgument, UnsupportedOperation
+from .errors import ClosedError, InvalidArgument, InvalidHandle, UnknownPeer, UnsupportedOperation
 from .types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
                     RegHandle, XferHandle, XferState, as_index)
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "RegionTable", "Inbox", "unknown_peer"]
 
 
 class Backend(abc.ABC):
@@ -221,3 +221,75 @@ class Backend(abc.ABC):
             raise InvalidArgument(f"{mismatch.size} descriptor pairs differ in length; first is pair {i}: "
                                   f"local {int(lrows[i, 1])} bytes vs remote {int(rrows[i, 1])} bytes")
         return lrows, rrows
+
+
+class RegionTable:
+    """Registered memory by handle, for backends to build on.
+
+    ``of(kind)`` is the union of every registration of that kind, as one
+    ``Descs``; the table behind it is replaced wholesale on each change, so a
+    server thread may read it without a lock and always sees a consistent
+    state.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regs: dict[int, Descs] = {}
+        self._by_kind: dict[MemKind, Descs] = {}
+
+    def add(self, handle: int, descs: Descs) -> None:
+        with self._lock:
+            self._regs[handle] = descs
+            self._rebuild()
+
+    def remove(self, handle: int) -> Descs:
+        """Forget a registration; ``InvalidHandle`` if there is none."""
+        with self._lock:
+            descs = self._regs.pop(handle, None)
+            if descs is None:
+                raise InvalidHandle(f"no registration with handle {handle!r} (already deregistered?)")
+            self._rebuild()
+            return descs
+
+    def _rebuild(self) -> None:
+        by_kind: dict[MemKind, list[np.ndarray]] = {}
+        for d in self._regs.values():
+            by_kind.setdefault(d.kind, []).append(d.array)
+        self._by_kind = {k: Descs(np.concatenate(v), k) for k, v in by_kind.items()}
+
+    def of(self, kind: MemKind) -> Descs:
+        """Every registered region of ``kind`` (empty if none)."""
+        d = self._by_kind.get(kind)
+        return d if d is not None else Descs(np.zeros((0, 3), np.uint64), kind)
+
+    def by_kind(self) -> dict[MemKind, Descs]:
+        return dict(self._by_kind)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._regs.clear()
+            self._by_kind = {}
+
+
+class Inbox:
+    """Notifications received, by sender, in arrival order (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._msgs: dict[str, list[bytes]] = {}
+
+    def deliver(self, sender: str, msg: bytes) -> None:
+        with self._lock:
+            self._msgs.setdefault(sender, []).append(msg)
+
+    def take(self) -> dict[str, list[bytes]]:
+        """Everything received since the last call."""
+        with self._lock:
+            out, self._msgs = self._msgs, {}
+        return out
+
+
+def unknown_peer(name: str, known) -> UnknownPeer:
+    """The error for a peer nobody loaded, listing the ones that are."""
+    return UnknownPeer(f"unknown peer {name!r}; load its metadata with add_remote first "
+                       f"(known: {sorted(known) or 'none'})")

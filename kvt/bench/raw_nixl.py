@@ -3,13 +3,16 @@
 What an engine that calls NIXL itself does (vLLM's NixlConnector pattern):
 register the arena once, prep one descriptor list per block size for each
 side, then ``make_prepped_xfer`` + ``transfer`` per request and
-``check_xfer_state`` until done.  NIXL's own defaults (UCX backend, progress
-thread).  Runs in processes of its own: nixl bundles a libucx that must not
-meet ucxx's in one process.  NIXL's native errors become ``TransferError``.
+``check_xfer_state`` until done.  NIXL's defaults (UCX backend, progress
+thread), except that the nixl backend's ``progress_thread`` and ``ucx_env``
+options, when configured, apply here too: the two stay comparable.  Runs in
+processes of its own: nixl bundles a libucx that must not meet ucxx's in one
+process.  NIXL's native errors become ``TransferError``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 from ..errors import BackendUnavailable, TransferError
@@ -33,11 +36,15 @@ def _nixl():
 class _Side:
     """A nixl agent with the arena registered."""
 
-    def __init__(self, role: str, plan: Plan, fill: int):
+    def __init__(self, spec, role: str, plan: Plan, fill: int):
         nixl_agent, nixl_agent_config, self.errors = _nixl()
+        options = spec.config.options if spec.config else {}
+        # this process exists for this agent alone: UCX reads its settings from the environment
+        os.environ.update({k: str(v) for k, v in options.get("ucx_env", {}).items()})
+        conf = nixl_agent_config(enable_prog_thread=bool(options.get("progress_thread", True)), backends=["UCX"])
         self.buf = arena(plan.arena, fill)
         try:
-            self.agent = nixl_agent(f"bench-raw-{role}", nixl_agent_config(backends=["UCX"]))
+            self.agent = nixl_agent(f"bench-raw-{role}", conf)
             self.reg = self.agent.register_memory([(self.buf.ctypes.data, self.buf.nbytes, 0, "")], "DRAM")
         except self.errors as e:
             raise BackendUnavailable(f"nixl agent could not start: {type(e).__name__}: {e}") from e
@@ -47,7 +54,7 @@ class _Side:
 
 
 def serve(spec, plan: Plan, ready: Callable[[object], None], wait: Callable[[], None]) -> None:
-    side = _Side("target", plan, TARGET_FILL)
+    side = _Side(spec, "target", plan, TARGET_FILL)
     try:
         ready((side.agent.get_agent_metadata(), side.buf.ctypes.data))
         wait()
@@ -59,7 +66,7 @@ class RawNixlEngine:
     def __init__(self, spec, plan: Plan, info: tuple[bytes, int]):
         self.name = spec.name
         metadata, remote_addr = info
-        self.side = side = _Side("initiator", plan, INITIATOR_FILL)
+        self.side = side = _Side(spec, "initiator", plan, INITIATOR_FILL)
         a, n = side.agent, side.buf.nbytes
         try:
             self.peer = a.add_remote_agent(metadata)

@@ -87,6 +87,11 @@ def _plan(args: argparse.Namespace):
                      min_iters=args.min_iters, timeout=args.timeout)
 
 
+def _config(args: argparse.Namespace, backend: str):
+    """The configuration ``--config`` / ``-o`` give ``backend``."""
+    return config_from_args(argparse.Namespace(**{**vars(args), "backend": backend}))
+
+
 def engine_specs(args: argparse.Namespace) -> list:
     """Baselines first, then the backends, as ``EngineSpec``s.  Imports no plugin:
     whether a backend is usable is learnt in its own processes."""
@@ -99,16 +104,16 @@ def engine_specs(args: argparse.Namespace) -> list:
     specs = []
     if MEMCPY in baselines:
         specs.append(EngineSpec(MEMCPY, "memcpy"))
-    if RAW_NIXL in baselines and importlib.util.find_spec("nixl") is not None:
-        specs.append(EngineSpec(RAW_NIXL, "raw-nixl", required=False))
     installed = [b.name for b in registry.list_backends()]
+    if RAW_NIXL in baselines and importlib.util.find_spec("nixl") is not None:
+        # the nixl backend's configuration (progress_thread, ucx_env) applies to raw NIXL too
+        specs.append(EngineSpec(RAW_NIXL, "raw-nixl", _config(args, "nixl"), required=False))
     names = _list(args.backend) if args.backend else installed
     for name in names:
         if name not in installed:
             raise BackendNotFound(f"no installed kvt backend {name!r} (installed: {', '.join(installed) or 'none'}); "
                                   "see `kvt backends`")
-        config = config_from_args(argparse.Namespace(**{**vars(args), "backend": name}))
-        specs.append(EngineSpec(name, "kvt", config, required=bool(args.backend)))
+        specs.append(EngineSpec(name, "kvt", _config(args, name), required=bool(args.backend)))
     if not specs:
         raise InvalidArgument("nothing to run: no backend installed and no baseline selected")
     return specs

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from ..errors import IncompatiblePeer
+from ..wire import AgentInfo
 from .config import KVCacheSpec
 from .metadata import CONNECTOR_VERSION
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
-from kvt.backend import Backend
+from kvt.backend import Backend, Inbox, RegionTable, unknown_peer
 from kvt.errors import (InvalidArgument, InvalidHandle, PeerDisconnected, RemoteRejected, TransferError,
-                        UnknownPeer, UnsupportedOperation, WireError)
+                        UnsupportedOperation, WireError)
 from kvt.types import Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState
 from kvt.wire import Message, decode, encode
 
@@ -95,13 +95,11 @@ class ExampleBackend(Backend):
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         super().__init__(agent_name, options)
-        self._lock = threading.Lock()
-        self._regs: dict[int, Descs] = {}
-        self._regions = Descs(np.zeros((0, 3), np.uint64))  # union of _regs, replaced wholesale
+        self._regions = RegionTable()                       # ours, read by peers' workers too
         self._peers: dict[str, Descs] = {}                  # peer -> its regions, as its metadata said
         self._preps: dict[int, tuple[str | None, Descs]] = {}
         self._xfers: dict[int, _Job] = {}
-        self._notifs: dict[str, list[bytes]] = {}
+        self._inbox = Inbox()
         # one worker: jobs run in the order posted, and never on the caller's thread
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvt-example:{agent_name}")
         with _AGENTS_LOCK:
@@ -117,27 +115,18 @@ class ExampleBackend(Backend):
         descs = Descs.coerce(mem)
         self._check_kind(descs.kind)
         h = self._next_id()
-        with self._lock:
-            self._regs[h] = descs
-            self._rebuild()
+        self._regions.add(h, descs)
         return RegHandle(h)
 
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
-        with self._lock:
-            if self._regs.pop(handle, None) is None:
-                raise InvalidHandle(f"no registration with handle {handle!r} (already deregistered?)")
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        arrays = [d.array for d in self._regs.values()]
-        self._regions = Descs(np.concatenate(arrays) if arrays else np.zeros((0, 3), np.uint64))
+        self._regions.remove(handle)
 
     # -- peers ----------------------------------------------------------------
 
     def local_metadata(self) -> bytes:
         self._check_open()
-        return encode(ExampleMetadata(name=self.agent_name, pid=os.getpid(), regions=self._regions.array.tobytes()))
+        return encode(ExampleMetadata(name=self.agent_name, pid=os.getpid(), regions=self._regions.of(MemKind.DRAM).array.tobytes()))
 
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
@@ -153,7 +142,7 @@ class ExampleBackend(Backend):
     def remove_remote(self, peer: str) -> None:
         self._check_open()
         if self._peers.pop(peer, None) is None:
-            raise UnknownPeer(self._unknown(peer))
+            raise unknown_peer(peer, self._peers)
         for job in list(self._xfers.values()):
             if job.peer == peer:
                 job.finish(XferState.err(PeerDisconnected(f"peer {peer!r} was removed")))
@@ -161,11 +150,8 @@ class ExampleBackend(Backend):
     def _peer_regions(self, peer: str) -> Descs:
         regions = self._peers.get(peer)
         if regions is None:
-            raise UnknownPeer(self._unknown(peer))
+            raise unknown_peer(peer, self._peers)
         return regions
-
-    def _unknown(self, peer: str) -> str:
-        return f"unknown peer {peer!r}; add_remote its metadata first (known: {sorted(self._peers) or 'none'})"
 
     # -- transfers ------------------------------------------------------------
 
@@ -173,7 +159,7 @@ class ExampleBackend(Backend):
         self._check_open()
         descs = Descs.coerce(descs)
         self._check_kind(descs.kind)
-        regions = self._regions if peer is None else self._peer_regions(peer)
+        regions = self._regions.of(descs.kind) if peer is None else self._peer_regions(peer)
         descs.check_within(regions, "local descriptors" if peer is None else f"descriptors of peer {peer!r}")
         h = self._next_id()
         self._preps[h] = (peer, descs)
@@ -209,13 +195,13 @@ class ExampleBackend(Backend):
         if target is None or target._closed:
             return job.finish(XferState.err(PeerDisconnected(f"peer {job.peer!r} is gone")))
         # the target serves only memory registered now (it may have deregistered since its metadata)
-        if (Descs(job.rrows).locate(target._regions) < 0).any():
+        if (Descs(job.rrows).locate(target._regions.of(MemKind.DRAM)) < 0).any():
             return job.finish(XferState.err(RemoteRejected(
                 f"{job.op.value} touches memory {target.agent_name!r} no longer has registered")))
         src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
         _copy(dst, src)
         if job.notif is not None:
-            target._deliver(self.agent_name, job.notif)
+            target._inbox.deliver(self.agent_name, job.notif)
         job.finish(XferState.DONE)
 
     def check_state(self, handle: XferHandle) -> XferState:
@@ -249,17 +235,11 @@ class ExampleBackend(Backend):
         target = _AGENTS.get(peer)
         if target is None or target._closed:
             raise PeerDisconnected(f"peer {peer!r} is gone")
-        target._deliver(self.agent_name, bytes(msg))
-
-    def _deliver(self, sender: str, msg: bytes) -> None:
-        with self._lock:
-            self._notifs.setdefault(sender, []).append(msg)
+        target._inbox.deliver(self.agent_name, bytes(msg))
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()
-        with self._lock:
-            out, self._notifs = self._notifs, {}
-        return out
+        return self._inbox.take()
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -275,5 +255,5 @@ class ExampleBackend(Backend):
                 del _AGENTS[self.agent_name]
         self._xfers.clear()
         self._preps.clear()
-        self._regs.clear()
+        self._regions.clear()
         self._peers.clear()

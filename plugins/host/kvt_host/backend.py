@@ -30,15 +30,16 @@ from typing import Any, Mapping
 import numpy as np
 import zmq
 from kvt import memory
-from kvt.backend import Backend
+from kvt.backend import Backend, Inbox, RegionTable, unknown_peer
+from kvt.procs import host_id, start_time
 from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError,
-                        PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, UnknownPeer, WireError)
+                        PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState)
 from kvt.wire import decode, encode
 
 from . import memops
-from .protocol import HostMetadata, Reply, Request, host_id, rows_of, start_time
+from .protocol import HostMetadata, Reply, Request, rows_of
 from .server import Server
 from .staging import Mirrors
 
@@ -155,13 +156,12 @@ class HostBackend(Backend):
             raise ConfigError(f"host backend option 'transport' must be one of {_TRANSPORTS}, got {self.transport!r}")
         listen = self.options.get("listen_host", "127.0.0.1")
         self._lock = threading.RLock()
-        self._regs: dict[int, Descs] = {}
-        self._regions: dict[MemKind, Descs] = {}
+        self._regions = RegionTable()
         self._mirrors = Mirrors()
         self._preps: dict[int, _Prep] = {}
         self._xfers: dict[int, _Job] = {}
         self._peers: dict[str, _Peer] = {}
-        self._notifs: dict[str, list[bytes]] = {}
+        self._inbox = Inbox()
         self._local = ThreadPoolExecutor(1, thread_name_prefix="kvt-host-local")
         try:
             self._server = Server(self, listen, self.options.get("advertise_host", listen))
@@ -178,32 +178,21 @@ class HostBackend(Backend):
         with self._lock:
             if descs.kind is not MemKind.DRAM:
                 self._mirrors.add(h, descs)
-            self._regs[h] = descs
-            self._rebuild_regions()
+            self._regions.add(h, descs)
         return RegHandle(h)
 
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
         with self._lock:
-            if self._regs.pop(handle, None) is None:
-                raise InvalidHandle(f"no registration with handle {handle!r} (already deregistered?)")
+            self._regions.remove(handle)
             self._mirrors.remove(handle)
-            self._rebuild_regions()
-
-    def _rebuild_regions(self) -> None:
-        by_kind: dict[MemKind, list[np.ndarray]] = {}
-        for d in self._regs.values():
-            by_kind.setdefault(d.kind, []).append(d.array)
-        # replaced wholesale so the server thread always sees a consistent table
-        self._regions = {k: Descs(np.concatenate(v), k) for k, v in by_kind.items()}
 
     # -- peers ----------------------------------------------------------------
 
     def local_metadata(self) -> bytes:
         self._check_open()
-        regions = dict(self._regions)
-        dram = regions.get(MemKind.DRAM)
-        segs = memory.segments_of(dram) if dram is not None else np.zeros((0, 3), np.uint64)
+        regions = self._regions.by_kind()
+        segs = memory.segments_of(self._regions.of(MemKind.DRAM))
         pid = os.getpid()
         return encode(HostMetadata(
             name=self.agent_name, endpoint=self._server.endpoint, host_id=host_id(), pid=pid,
@@ -232,7 +221,7 @@ class HostBackend(Backend):
         with self._lock:
             p = self._peers.pop(peer, None)
             if p is None:
-                raise UnknownPeer(self._unknown(peer))
+                raise unknown_peer(peer, self._peers)
             for job in self._xfers.values():
                 if job.peer is p:
                     job.finish(XferState.err(PeerDisconnected(f"peer {peer!r} was removed")))
@@ -242,12 +231,8 @@ class HostBackend(Backend):
     def _peer(self, name: str) -> _Peer:
         p = self._peers.get(name)
         if p is None:
-            raise UnknownPeer(self._unknown(name))
+            raise unknown_peer(name, self._peers)
         return p
-
-    def _unknown(self, name: str) -> str:
-        return (f"unknown peer {name!r}; load its metadata with add_remote first "
-                f"(known: {sorted(self._peers) or 'none'})")
 
     # -- transfers ------------------------------------------------------------
 
@@ -257,7 +242,7 @@ class HostBackend(Backend):
         self._check_kind(descs.kind)
         empty = Descs(np.zeros((0, 3)), descs.kind)
         if peer is None:
-            descs.check_within(self._regions.get(descs.kind, empty), "local descriptors")
+            descs.check_within(self._regions.of(descs.kind), "local descriptors")
         else:
             descs.check_within(self._peer(peer).regions.get(descs.kind, empty),
                                f"descriptors of peer {peer!r}")
@@ -422,19 +407,13 @@ class HostBackend(Backend):
 
     def _send_notif(self, peer: _Peer | None, msg: bytes) -> None:
         if peer is None:
-            self._deliver(self.agent_name, msg)
+            self._inbox.deliver(self.agent_name, msg)
         else:
             peer.socket().send(encode(Request(id=0, sender=self.agent_name, op="NOTIF", msg=msg)))
 
-    def _deliver(self, sender: str, msg: bytes) -> None:
-        with self._lock:
-            self._notifs.setdefault(sender, []).append(msg)
-
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()
-        with self._lock:
-            out, self._notifs = self._notifs, {}
-        return out
+        return self._inbox.take()
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -452,6 +431,5 @@ class HostBackend(Backend):
         self._peers.clear()
         self._xfers.clear()
         self._preps.clear()
-        self._regs.clear()
-        self._regions = {}
+        self._regions.clear()
         self._mirrors = Mirrors()

@@ -3,8 +3,6 @@ server thread answers.  Built on kvt.wire, so they carry its version check."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 from kvt.wire import Message
 
@@ -45,19 +43,3 @@ def rows_of(data: bytes) -> np.ndarray:
     if len(data) % 24:
         raise ValueError(f"row payload of {len(data)} bytes is not a whole number of (addr, len, dev) rows")
     return np.frombuffer(data, np.uint64).reshape(-1, 3)
-
-
-def host_id() -> str:
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
-
-
-def start_time(pid: int) -> int:
-    """Process start time in clock ticks, or -1 if ``pid`` is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return -1
-    return -1 if fields[0] in ("Z", "X") else int(fields[19])

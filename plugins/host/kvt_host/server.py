@@ -34,7 +34,7 @@ class Server(RouterServer):
             log.warning("dropping malformed request: %s", e)
             return [encode(Reply(id=-1, error=str(e), code="bad_request"))]
         if req.op == "NOTIF":
-            self._b._deliver(req.sender, req.msg)
+            self._b._inbox.deliver(req.sender, req.msg)
             return None
         try:
             kind = MemKind(req.kind)
@@ -43,8 +43,7 @@ class Server(RouterServer):
                 raise ValueError(f"unknown op {req.op!r}")
         except ValueError as e:
             return [encode(Reply(id=req.id, error=str(e), code="bad_request"))]
-        regions = self._b._regions.get(kind)
-        if regions is None or (Descs(rows).locate(regions) < 0).any():
+        if (Descs(rows).locate(self._b._regions.of(kind)) < 0).any():
             return [encode(Reply(id=req.id, code="out_of_region",
                                  error=f"{req.sender!r} asked to {req.op} {kind.value} memory that "
                                        f"{self._b.agent_name!r} did not register"))]

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 from kvt.backend import Backend
-from kvt.errors import (BackendUnavailable, InvalidArgument, InvalidDescriptor, InvalidHandle,
+from kvt.errors import (BackendUnavailable, IncompatiblePeer, InvalidArgument, InvalidDescriptor, InvalidHandle,
                         PeerDisconnected, TransferError, TransferTimeout, UnknownPeer, WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState, as_index)
@@ -186,7 +186,10 @@ class NixlBackend(Backend):
             try:
                 name = self._agent.add_remote_agent(md.nixl)
             except Exception as e:
-                raise native.translate(e, f"loading the NIXL metadata of {md.name!r}", WireError) from e
+                # undecodable is a WireError; decodable but unreachable (no UCX transport in
+                # common, e.g. UCX_TLS differs) cannot be paired with us
+                raise native.translate(e, f"loading the NIXL metadata of {md.name!r}", WireError,
+                                       {"NIXL_ERR_BACKEND": IncompatiblePeer}) from e
             name = name.decode() if isinstance(name, bytes) else str(name)
             if name != md.name:
                 if name not in self._peers:
@@ -291,9 +294,11 @@ class NixlBackend(Backend):
             self._check_open()
         if notif is not None or (op is not _READ and op is not _WRITE):
             op = self._check_op(op, notif)
-            if notif is not None and not len(notif):
-                raise InvalidArgument("NIXL cannot attach an empty notification to a transfer (it means "
-                                      "'none'); send a non-empty message, or notify() separately")
+            if notif is not None:
+                if not len(notif):
+                    raise InvalidArgument("NIXL cannot attach an empty notification to a transfer (it means "
+                                          "'none'); send a non-empty message, or notify() separately")
+                notif = bytes(notif)  # NIXL takes bytes, not bytearray or memoryview
         try:
             lp, rp = self._preps[local_prep], self._preps[remote_prep]
         except (KeyError, TypeError):

@@ -53,6 +53,9 @@ def availability() -> Availability:
     if mod is None:
         return Availability(False, f"the 'nixl' package cannot be imported ({type(err).__name__}: {err}); "
                                    "install it with `pip install nixl` (or `pip install -e plugins/nixl`)")
+    nixl_log = logging.getLogger("nixl")
+    level = nixl_log.level
+    nixl_log.setLevel(logging.CRITICAL)  # "no plugins" is logged as an error; we report it ourselves
     try:  # an agent without backends only lists plugins: cheap, no network
         probe = mod.nixl_agent(f"kvt-nixl-probe-{os.getpid()}",
                                mod.nixl_agent_config(enable_prog_thread=False, backends=[]))
@@ -64,6 +67,8 @@ def availability() -> Availability:
     except Exception as e:
         return Availability(False, f"nixl imported but could not create an agent ({type(e).__name__}: {e}); "
                                    "check NIXL_PLUGIN_DIR and the nixl installation")
+    finally:
+        nixl_log.setLevel(level)
     if "UCX" not in plugins:
         where = os.environ.get("NIXL_PLUGIN_DIR", "the nixl wheel's plugin directory")
         return Availability(False, f"nixl found no UCX plugin in {where} (plugins found: "

@@ -25,21 +25,27 @@ def pytest_collection_modifyitems(config, items):
 _names = itertools.count()
 
 
-@pytest.fixture
-def make_backend():
-    """NixlBackend instances (unique agent names), closed at the end of the test."""
-    from kvt_nixl.backend import NixlBackend
-
+def _factory(create):
+    """A fixture body: ``create(...)`` objects made during the test, each
+    closed at its end (even when the test failed)."""
     made = []
 
-    def make(name: str = "test", **options):
-        b = NixlBackend(f"{name}-{os.getpid()}-{next(_names)}", {"timeout": 5.0, **options})
-        made.append(b)
-        return b
+    def make(*args, **kwargs):
+        made.append(create(*args, **kwargs))
+        return made[-1]
 
     yield make
-    for b in made:
-        b.close()
+    for obj in made:
+        obj.close()
+
+
+@pytest.fixture
+def make_backend():
+    """NixlBackend instances (unique agent names; timeout 5 s unless given)."""
+    from kvt_nixl.backend import NixlBackend
+
+    yield from _factory(lambda name="test", **options: NixlBackend(
+        f"{name}-{os.getpid()}-{next(_names)}", {"timeout": 5.0, **options}))
 
 
 @pytest.fixture
@@ -47,16 +53,7 @@ def spawn_peer():
     """Peer processes of this test alone, stopped (or killed) at its end."""
     from peerproc import Peer
 
-    peers = []
-
-    def spawn(name: str = "peer", **options):
-        p = Peer(f"{name}-{next(_names)}", {"timeout": 5.0, **options})
-        peers.append(p)
-        return p
-
-    yield spawn
-    for p in peers:
-        p.close()
+    yield from _factory(lambda name="peer", **options: Peer(f"{name}-{next(_names)}", {"timeout": 5.0, **options}))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ NUM_BLOCKS, BLOCK = 64, 4096
 
 
 def pattern(salt: int = 1) -> np.ndarray:
-    """Known contents: every block distinct, every byte position distinct."""
+    """Known contents, different in every block (salt: another pattern)."""
     x = (np.arange(NUM_BLOCKS * BLOCK, dtype=np.uint64) * 2654435761 + salt) >> 7
     return x.astype(np.uint8).reshape(NUM_BLOCKS, BLOCK)
 

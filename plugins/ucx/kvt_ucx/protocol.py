@@ -11,7 +11,6 @@ Messages are kvt.wire structs, so they carry its version field.
 
 from __future__ import annotations
 
-import os
 from typing import Union
 
 import msgspec
@@ -19,7 +18,7 @@ import numpy as np
 from kvt.wire import WIRE_VERSION, Message
 
 __all__ = ["CTRL_TAG", "data_tag", "Ident", "UcxMetadata", "Request", "Reply", "Notif",
-           "encode", "decode_ctrl", "rows_of", "host_id", "start_time"]
+           "encode", "decode_ctrl", "rows_of"]
 
 CTRL_TAG = 1 << 63
 _SEQ_MASK = (1 << 32) - 1
@@ -69,6 +68,7 @@ class Reply(Message, tag="ucx_rep"):
 
     seq: int
     status: str
+    src: str = ""           # the target's name: a reply must come from the transfer's peer
     error: str = ""
     code: str = ""          # "out_of_region" | "bad_request" | "busy"
 
@@ -102,20 +102,3 @@ def rows_of(data: bytes, width: int = 3, dtype=np.uint64) -> np.ndarray:
         raise ValueError(f"{len(data)} bytes are not a whole number of {width}-field rows")
     return np.frombuffer(data, dtype).reshape(-1, width)
 
-
-def host_id() -> str:
-    """Boot id plus pid namespace: equal on two processes that share a host
-    and can see each other's pids."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
-
-
-def start_time(pid: int) -> int:
-    """Start time (clock ticks after boot) of ``pid``; -1 if gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state, *rest = f.read().rsplit(")", 1)[1].split()
-    except (OSError, ValueError):
-        return -1
-    return -1 if state in ("Z", "X") else int(rest[18])

@@ -62,44 +62,40 @@ def test_write_scattered_blocks(backend, peer):
     assert not far[np.setdiff1d(np.arange(NBLK), remote_ids)].any(), "WRITE touched other blocks"
 
 
+def _move_and_check(backend, peer, op: Op, local_ids, remote_ids, seed: int) -> None:
+    """Fill the source side with ``pattern(seed)``, move the blocks with
+    ``op``, and check that every destination block holds its source block."""
+    want = pattern(seed, NBYTES)
+    if op is Op.READ:
+        peer.fill(seed)
+    local, _, lp, rp = _setup(backend, peer)
+    if op is Op.WRITE:
+        local[:] = want
+    _done(backend, backend.transfer(op, lp, local_ids, rp, remote_ids))
+    if op is Op.READ:
+        np.testing.assert_array_equal(_blocks(local)[local_ids], _blocks(want)[remote_ids])
+    else:
+        np.testing.assert_array_equal(_blocks(peer.contents()[0])[remote_ids], _blocks(want)[local_ids])
+
+
 @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
 def test_batch_mixes_staged_and_in_place_messages(make_backend, peer, op):
     """Many small blocks (packed into several staged messages) and long
     contiguous runs (sent in place) in one transfer; every byte lands."""
     backend = make_backend(zcopy_min=64 << 10, stage_max=32 << 10)  # small limits: several messages of each
-    want = pattern(3, NBYTES)
-    if op is Op.READ:
-        peer.fill(3)
-    local, _, lp, rp = _setup(backend, peer)
-    if op is Op.WRITE:
-        local[:] = want
-    rng = np.random.default_rng(2)
-    scattered = rng.permutation(NBLK // 2)[:64]                  # 64 non-adjacent-ish single blocks
-    runs = NBLK // 2 + np.arange(NBLK // 2)                       # 128 contiguous blocks -> one long run
+    scattered = np.random.default_rng(2).permutation(NBLK // 2)[:64]  # single blocks
+    runs = NBLK // 2 + np.arange(NBLK // 2)                             # 128 contiguous blocks: one long run
     ids = np.concatenate([scattered, runs])
-    _done(backend, backend.transfer(op, lp, ids, rp, ids))
-    dst = _blocks(local if op is Op.READ else peer.contents()[0])
-    np.testing.assert_array_equal(dst[ids], _blocks(want)[ids])
+    _move_and_check(backend, peer, op, ids, ids, seed=3)
 
 
 @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
 def test_many_in_place_messages(make_backend, peer, op):
     """With ``zcopy_min=1`` every block is its own in-place message (the path
     device memory always takes): 200 messages posted at once, all land."""
-    backend = make_backend(zcopy_min=1)
-    want = pattern(10, NBYTES)
-    if op is Op.READ:
-        peer.fill(10)
-    local, _, lp, rp = _setup(backend, peer)
-    if op is Op.WRITE:
-        local[:] = want
     rng = np.random.default_rng(4)
-    lids, rids = rng.permutation(NBLK)[:200], rng.permutation(NBLK)[:200]
-    _done(backend, backend.transfer(op, lp, lids, rp, rids))
-    if op is Op.READ:
-        np.testing.assert_array_equal(_blocks(local)[lids], _blocks(want)[rids])
-    else:
-        np.testing.assert_array_equal(_blocks(peer.contents()[0])[rids], _blocks(want)[lids])
+    _move_and_check(make_backend(zcopy_min=1), peer, op, rng.permutation(NBLK)[:200],
+                    rng.permutation(NBLK)[:200], seed=10)
 
 
 def test_write_notification_arrives_after_its_data(backend, peer):
@@ -154,8 +150,9 @@ def test_target_refuses_memory_it_no_longer_registers(backend, peer, op):
         assert (local == 9).all(), "a refused READ wrote into the initiator's buffer"
     # still serving
     want = _blocks(peer.fill(6))
-    _, _, lp2, rp2 = _setup(backend, peer)
+    local2, _, lp2, rp2 = _setup(backend, peer)
     _done(backend, backend.transfer(Op.READ, lp2, [0, 1], rp2, [7, 8]))
+    assert np.array_equal(_blocks(local2)[[0, 1]], want[[7, 8]])
 
 
 def test_prep_outside_the_peers_registrations_is_refused_before_any_byte_moves(backend, peer):

@@ -1,0 +1,30 @@
+"""Same-host process identity, for backends that watch their peers.
+
+A peer's metadata carries ``host_id()`` and its pid's ``start_time``; a
+backend that finds both equal here can watch that process directly (a dead
+or zombie peer reads -1, and a reused pid has another start time).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["host_id", "start_time"]
+
+
+def host_id() -> str:
+    """Boot id plus pid namespace: equal for two processes that share a host
+    and can see each other's pids."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+
+
+def start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks after boot; -1 if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, *rest = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return -1
+    return -1 if state in ("Z", "X") else int(rest[18])
