@@ -132,7 +132,9 @@ class Backend(abc.ABC):
         rows ``remote_idx`` (equal counts and pairwise equal lengths; ``None``
         means every row).  Returns at once with a handle; never blocks on the
         network.  ``notif`` reaches the remote agent after all bytes landed.
-        Errors in the arguments raise before any byte moves."""
+        Errors in the arguments raise before any byte moves.  Initiators poll
+        ``check_state`` until the transfer settles: a backend may make
+        progress, and send the notification, only when polled (NIXL does)."""
 
     @abc.abstractmethod
     def check_state(self, handle: XferHandle) -> XferState:
@@ -260,7 +262,7 @@ class RegionTable:
     def of(self, kind: MemKind) -> Descs:
         """Every registered region of ``kind`` (empty if none)."""
         d = self._by_kind.get(kind)
-        return d if d is not None else Descs(np.zeros((0, 3), np.uint64), kind)
+        return d if d is not None else Descs.empty(kind)
 
     def by_kind(self) -> dict[MemKind, Descs]:
         return dict(self._by_kind)

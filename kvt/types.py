@@ -54,6 +54,10 @@ class Status(str, enum.Enum):
     ERR = "ERR"
 
 
+# module constants: polling is a hot path, and enum attribute lookups are not free
+_PROC, _DONE, _ERR = Status.PROC, Status.DONE, Status.ERR
+
+
 @dataclass(frozen=True, slots=True)
 class XferState:
     """What ``check_state`` returns: a status and, for ``ERR``, its cause.
@@ -74,15 +78,15 @@ class XferState:
 
     @property
     def done(self) -> bool:
-        return self.status is Status.DONE
+        return self.status is _DONE
 
     @property
     def failed(self) -> bool:
-        return self.status is Status.ERR
+        return self.status is _ERR
 
     @property
     def pending(self) -> bool:
-        return self.status is Status.PROC
+        return self.status is _PROC
 
     def __repr__(self) -> str:
         return f"XferState.{self.status.value}" + (f"({self.cause!r})" if self.cause else "")
@@ -181,8 +185,15 @@ class Descs:
         bases = np.atleast_1d(np.asarray(base_addrs, dtype=np.uint64))
         ids = np.asarray(block_ids, dtype=np.uint64).ravel()
         step = np.uint64(block_len if stride is None else stride)
-        addrs = (bases[:, None] + ids[None, :] * step).ravel()
-        return cls.from_regions(addrs, block_len, device, kind)
+        rows = np.empty((len(bases), len(ids), 3), np.uint64)
+        np.add(bases[:, None], ids[None, :] * step, out=rows[:, :, 0])
+        rows[:, :, 1] = block_len
+        rows[:, :, 2] = device
+        return cls(rows.reshape(-1, 3), kind)
+
+    @classmethod
+    def empty(cls, kind: MemKind | str = MemKind.DRAM) -> "Descs":
+        return cls(np.zeros((0, 3), np.uint64), kind)
 
     @classmethod
     def from_buffers(cls, buffers: Iterable[Any], kind: MemKind | str | None = None) -> "Descs":
@@ -278,9 +289,11 @@ class Descs:
         out = np.full(len(self), -1, dtype=np.int64)
         if not len(self) or not len(regions):
             return out
-        for dev in np.unique(self.devices):
+        devs = self.devices
+        uniform = bool((devs == devs[0]).all())  # the common case: skip the per-device split
+        for dev in devs[:1] if uniform else np.unique(devs):
             rsel = np.flatnonzero(regions.devices == dev)
-            dsel = np.flatnonzero(self.devices == dev)
+            dsel = np.arange(len(self)) if uniform else np.flatnonzero(devs == dev)
             if not rsel.size:
                 continue
             order = rsel[np.argsort(regions.addrs[rsel], kind="stable")]

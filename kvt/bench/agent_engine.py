@@ -40,12 +40,13 @@ def _agent(spec, plan: Plan, role: str, fill: int) -> tuple[Agent, np.ndarray]:
     return agent, buf
 
 
-def serve(spec, plan: Plan, ready: Callable[[object], None], wait: Callable[[], None]) -> None:
-    """The target: register, publish the handshake endpoint, serve until told to stop."""
+def serve(spec, plan: Plan, ready: Callable[[object], None],
+          serve_until_stopped: Callable[[Callable[[], object]], None]) -> None:
+    """The target: register, publish the handshake endpoint, poll notifications until told to stop."""
     agent, _buf = _agent(spec, plan, "target", TARGET_FILL)
     with agent:
         ready(agent.listen())
-        wait()
+        serve_until_stopped(agent.get_notifs)
 
 
 class AgentEngine:

@@ -53,11 +53,12 @@ class _Side:
         self.agent.deregister_memory(self.reg)
 
 
-def serve(spec, plan: Plan, ready: Callable[[object], None], wait: Callable[[], None]) -> None:
+def serve(spec, plan: Plan, ready: Callable[[object], None],
+          serve_until_stopped: Callable[[Callable[[], object]], None]) -> None:
     side = _Side(spec, "target", plan, TARGET_FILL)
     try:
         ready((side.agent.get_agent_metadata(), side.buf.ctypes.data))
-        wait()
+        serve_until_stopped(side.agent.get_new_notifs)
     finally:
         side.close()
 

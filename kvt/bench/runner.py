@@ -29,9 +29,11 @@ from .timing import measure
 
 __all__ = ["EngineSpec", "Outcome", "run_engine", "KINDS"]
 
-#: engine kind -> module with ``serve`` (None: no target process) and ``open_engine``
+#: engine kind -> module with ``serve(spec, plan, ready, serve_until_stopped)``
+#: (None: no target process) and ``open_engine(spec, plan, what ready published)``
 KINDS = {"kvt": "kvt.bench.agent_engine", "memcpy": "kvt.bench.memcpy", "raw-nixl": "kvt.bench.raw_nixl"}
 _MAX_LIFETIME = 6 * 3600.0  # a target outliving this was forgotten by its parent
+_POLL = 0.001  # seconds between a target's polls
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,13 @@ def _redirect_output(log: str) -> None:
     os.close(fd)
 
 
-def _wait_for_stop(stop, parent: int) -> None:
+def _serve_until_stopped(stop, parent: int, poll: Callable[[], object]) -> None:
+    """The target's loop: ``poll`` (its notifications) every millisecond, as
+    an engine's step loop would; that also progresses backends without a
+    progress thread of their own.  Ends when told, or when the parent is gone."""
     deadline = time.monotonic() + _MAX_LIFETIME
-    while not stop.wait(1.0) and os.getppid() == parent and time.monotonic() < deadline:
-        pass
+    while not stop.wait(_POLL) and os.getppid() == parent and time.monotonic() < deadline:
+        poll()
 
 
 def _child(role: str, spec: EngineSpec, plan: Plan, info: Any, q, stop, log: str, parent: int) -> None:
@@ -70,7 +75,8 @@ def _child(role: str, spec: EngineSpec, plan: Plan, info: Any, q, stop, log: str
     try:
         mod = importlib.import_module(KINDS[spec.kind])
         if role == "target":
-            mod.serve(spec, plan, lambda payload: q.put(("ready", payload)), lambda: _wait_for_stop(stop, parent))
+            mod.serve(spec, plan, lambda payload: q.put(("ready", payload)),
+                      lambda poll: _serve_until_stopped(stop, parent, poll))
             return
         engine = mod.open_engine(spec, plan, info)
         try:

@@ -240,11 +240,10 @@ class HostBackend(Backend):
         self._check_open()
         descs = Descs.coerce(descs)
         self._check_kind(descs.kind)
-        empty = Descs(np.zeros((0, 3)), descs.kind)
         if peer is None:
             descs.check_within(self._regions.of(descs.kind), "local descriptors")
         else:
-            descs.check_within(self._peer(peer).regions.get(descs.kind, empty),
+            descs.check_within(self._peer(peer).regions.get(descs.kind, Descs.empty(descs.kind)),
                                f"descriptors of peer {peer!r}")
         h = self._next_id()
         self._preps[h] = _Prep(peer, descs)

@@ -23,7 +23,7 @@ class Mirrors:
 
     def __init__(self):
         self._by_handle: dict[int, list[tuple[object, object]]] = {}  # handle -> [(device flat, mirror)]
-        self._rows = Descs(np.zeros((0, 3), np.uint64))                # device regions
+        self._rows = Descs.empty()                                      # device regions
         self._flat: list[object] = []
         self._mirror: list[object] = []
         self._mirror_base = np.zeros(0, np.uint64)

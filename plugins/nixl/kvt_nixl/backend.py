@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
-from kvt.backend import Backend
+from kvt.backend import Backend, RegionTable, unknown_peer
 from kvt.errors import (BackendUnavailable, IncompatiblePeer, InvalidArgument, InvalidDescriptor, InvalidHandle,
                         PeerDisconnected, TransferError, TransferTimeout, UnknownPeer, WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
@@ -117,8 +117,8 @@ class NixlBackend(Backend):
             agent_name, opts.backends, {b: {k: str(v) for k, v in p.items()} for b, p in opts.backend_params.items()},
             opts.num_threads, opts.progress_thread, {k: str(v) for k, v in opts.ucx_env.items()})
         self._lock = threading.RLock()                   # guards everything but the hot path
-        self._regs: dict[int, tuple[Descs, Any]] = {}    # handle -> (descs, NIXL reg list or None)
-        self._regions: dict[MemKind, Descs] = {}         # everything registered, by kind
+        self._regions = RegionTable()                    # what we registered, by handle and by kind
+        self._regs: dict[int, Any] = {}                  # handle -> NIXL's reg list (None: an empty one)
         self._peers: dict[str, dict[MemKind, Descs]] = {}  # name -> the regions it advertised
         self._preps: dict[int, _Prep] = {}
         self._xfers: dict[int, Any] = {}                 # handle -> _Xfer, or NIXL's handle alone
@@ -142,30 +142,22 @@ class NixlBackend(Backend):
                                        InvalidArgument) from e
         with self._lock:
             h = self._next_id()
-            self._regs[h] = (descs, reg)
-            self._rebuild_regions()
+            self._regs[h] = reg
+            self._regions.add(h, descs)
         return RegHandle(h)
 
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
         with self._lock:
-            rec = self._regs.get(handle)
-            if rec is None:
-                raise InvalidHandle(f"no registration with handle {handle!r} (already deregistered?)")
-            if rec[1] is not None:
+            reg = self._regs.get(handle)
+            if reg is not None:
                 try:
-                    self._agent.deregister_memory(rec[1])
+                    self._agent.deregister_memory(reg)
                 except Exception as e:
                     raise native.translate(e, f"deregistering handle {handle}", InvalidArgument) from e
+            self._regions.remove(handle)  # InvalidHandle if there is no such registration
             del self._regs[handle]
-            self._rebuild_regions()
             self._retire(lambda p: p.peer is None)  # they may point into it: re-check before use
-
-    def _rebuild_regions(self) -> None:
-        by_kind: dict[MemKind, list[np.ndarray]] = {}
-        for descs, _ in self._regs.values():
-            by_kind.setdefault(descs.kind, []).append(descs.array)
-        self._regions = {k: Descs(np.concatenate(v), k) for k, v in by_kind.items()}
 
     # -- peers ----------------------------------------------------------------
 
@@ -175,7 +167,7 @@ class NixlBackend(Backend):
             blob = self._agent.get_agent_metadata()
         except Exception as e:
             raise native.translate(e, "reading our NIXL metadata", TransferError) from e
-        return pack(self.agent_name, blob, dict(self._regions))
+        return pack(self.agent_name, blob, self._regions.by_kind())
 
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
@@ -203,7 +195,7 @@ class NixlBackend(Backend):
         self._check_open()
         with self._lock:
             if self._peers.pop(peer, None) is None:
-                raise UnknownPeer(self._unknown(peer))
+                raise unknown_peer(peer, self._peers)
             for x in list(self._xfers.values()):
                 if x.__class__ is _Xfer and x.peer == peer and x.state is _PROC:
                     self._poll(x)
@@ -212,10 +204,6 @@ class NixlBackend(Backend):
                         self._free_xfer(x, wait=False)
             self._retire(lambda p: p.peer == peer)
             self._agent.remove_remote_agent(peer)  # returns a status; nothing to undo either way
-
-    def _unknown(self, name: str) -> str:
-        return (f"unknown peer {name!r}; load its metadata with add_remote first "
-                f"(known: {sorted(self._peers) or 'none'})")
 
     # -- prep -----------------------------------------------------------------
 
@@ -239,14 +227,16 @@ class NixlBackend(Backend):
     def _check_within(self, p: _Prep) -> None:
         """``p``'s rows must lie in memory its owner registered (for a peer:
         as its metadata tells); ``UnknownPeer`` if it is not loaded (any more)."""
+        kind = p.descs.kind
         if p.peer is None:
-            regions, what = self._regions, "local descriptors"
-        else:
-            regions, what = self._peers.get(p.peer), f"descriptors of peer {p.peer!r}"
-            if regions is None:
-                raise UnknownPeer(self._unknown(p.peer))
-        mine = regions.get(p.descs.kind)
-        p.descs.check_within(mine if mine is not None else Descs(np.zeros((0, 3), np.uint64), p.descs.kind), what)
+            p.descs.check_within(self._regions.of(kind), "local descriptors")
+            return
+        regions = self._peers.get(p.peer)
+        if regions is None:
+            raise unknown_peer(p.peer, self._peers)
+        theirs = regions.get(kind)
+        p.descs.check_within(theirs if theirs is not None else Descs.empty(kind),
+                             f"descriptors of peer {p.peer!r}")
 
     def _native_prep(self, agent: str, descs: Descs) -> Any:
         if not len(descs):
@@ -421,7 +411,7 @@ class NixlBackend(Backend):
         self._check_open()
         self._check_notif(msg)
         if peer not in self._peers:
-            raise UnknownPeer(self._unknown(peer))
+            raise unknown_peer(peer, self._peers)
         self._send_notif(peer, msg)
 
     def _send_notif(self, peer: str, msg: bytes) -> None:
@@ -450,7 +440,7 @@ class NixlBackend(Backend):
                 self._leaked.append(x.handle if x.__class__ is _Xfer else x)
             for p in self._preps.values():
                 self._free_prep(p)
-            for descs, reg in self._regs.values():
+            for reg in self._regs.values():
                 if reg is not None:
                     try:
                         self._agent.deregister_memory(reg)
@@ -470,9 +460,9 @@ class NixlBackend(Backend):
             self._xfers.clear()
             self._preps.clear()
             self._regs.clear()
+            self._regions.clear()
             self._peers.clear()
             self._leaked.clear()
-            self._regions = {}
             self._agent = self._make = self._post = None  # the last references: NIXL's destructor stops its threads
 
 

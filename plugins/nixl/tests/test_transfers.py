@@ -103,7 +103,7 @@ def test_local_transfers_and_their_notification(make_backend):
     sp = b.prep(None, Descs.from_blocks(src.ctypes.data, BLOCK, range(NUM_BLOCKS)))
     dp = b.prep(None, Descs.from_blocks(dst.ctypes.data, BLOCK, range(NUM_BLOCKS)))
     h1 = b.transfer(Op.READ, dp, [0, 1], sp, [9, 8])           # dst <- src
-    h2 = b.transfer(Op.WRITE, sp, [5], dp, [7], notif=b"local")  # src -> dst
+    h2 = b.transfer(Op.WRITE, sp, [5], dp, [7], notif=bytearray(b"local"))  # src -> dst; any bytes-like
     assert settle(b, h1).done and settle(b, h2).done
     np.testing.assert_array_equal(dst[[0, 1, 7]], src[[9, 8, 5]])
     got, deadline = {}, time.monotonic() + 10

@@ -165,7 +165,7 @@ class UcxBackend(Backend):
             regions, what = self._regions.of(descs.kind), "local descriptors"
         else:
             regions, what = self._peer(peer).regions.get(descs.kind), f"descriptors of peer {peer!r}"
-        region = descs.check_within(regions if regions is not None else Descs(np.zeros((0, 3)), descs.kind), what)
+        region = descs.check_within(regions if regions is not None else Descs.empty(descs.kind), what)
         h = self._next_id()
         self._preps[h] = _Prep(peer, descs, region)
         return PrepHandle(h)
