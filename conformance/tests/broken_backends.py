@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from kvt.backend import Inbox
 from kvt.types import Descs, Op, XferState
 from kvt_example.backend import _AGENTS, ExampleBackend, _copy
 
@@ -44,15 +45,21 @@ class BrokenNoBoundsCheck(ExampleBackend):
         src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
         _copy(dst, src)
         if job.notif is not None:
-            (self if job.peer is None else _AGENTS[job.peer])._deliver(self.agent_name, job.notif)
+            (self if job.peer is None else _AGENTS[job.peer])._inbox.deliver(self.agent_name, job.notif)
         job.finish(XferState.DONE)
+
+
+class _BlackHole(Inbox):
+    def deliver(self, sender, msg):
+        pass
 
 
 class BrokenDropsNotifs(ExampleBackend):
     """Test double: accepts notifications (standalone and attached) and never delivers them."""
 
-    def _deliver(self, sender, msg):
-        pass
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._inbox = _BlackHole()
 
 
 #: the unbroken backend first: the control every variant is compared with

@@ -142,7 +142,7 @@ def document(plan: Plan, outcomes: Sequence, rows: Sequence[dict], *, argv: Sequ
             "machine": {**machine_before, "loadavg_after": list(os.getloadavg())},
             "plan": {**plan.describe(), "rounds": rounds},
             "engines": [{"name": o.spec.name, "kind": o.spec.kind,
-                         "backend": o.spec.config.backend if o.spec.config else None,
+                         "backend": o.spec.config.backend if o.spec.kind == "kvt" else None,
                          "status": o.status, "reason": o.reason} for o in outcomes],
             "results": list(rows), "growth": growth(rows)}
 

@@ -72,11 +72,58 @@ class _Job:
                 self.state = state
 
 
+class _Lane:
+    """One worker thread, plus the right to run a job on the caller's thread
+    instead when the lane is idle: small same-host copies then skip a thread
+    hand-off, and jobs on a lane still never overlap (so they stay in order
+    and share the lane's socket safely)."""
+
+    def __init__(self, name: str):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self._busy = 0  # jobs queued or running
+
+    def submit(self, fn, *args):
+        with self._lock:
+            self._busy += 1
+        try:
+            return self.pool.submit(self._counted, fn, *args)
+        except RuntimeError:
+            self._done()
+            raise
+
+    def _counted(self, fn, *args):
+        try:
+            return fn(*args)
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
+    def cancel(self, future) -> bool:
+        """Cancel a queued job; False if it already started."""
+        if future.cancel():
+            self._done()
+            return True
+        return False
+
+    def run_inline(self, fn, *args) -> bool:
+        """Run ``fn`` here and now if the lane is idle; False if it is not."""
+        with self._lock:
+            if self._busy:
+                return False
+            self._busy += 1
+        self._counted(fn, *args)
+        return True
+
+
 class _Peer:
-    """What we know of a remote agent, and the worker thread that talks to it."""
+    """What we know of a remote agent, and the lane that talks to it."""
 
     def __init__(self, md: HostMetadata, transport: str):
-        self.name, self.pool = md.name, ThreadPoolExecutor(1, thread_name_prefix=f"kvt-host->{md.name}")
+        self.name, self.lane = md.name, _Lane(f"kvt-host->{md.name}")
         self._sock: zmq.Socket | None = None
         self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
         self.update(md, transport)
@@ -162,7 +209,9 @@ class HostBackend(Backend):
         self._xfers: dict[int, _Job] = {}
         self._peers: dict[str, _Peer] = {}
         self._inbox = Inbox()
-        self._local = ThreadPoolExecutor(1, thread_name_prefix="kvt-host-local")
+        self._local = _Lane("kvt-host-local")
+        #: transfers up to this many bytes between host memory on this host run in the calling thread
+        self.inline_bytes = int(self.options.get("inline_bytes", 256 * 1024))
         try:
             self._server = Server(self, listen, self.options.get("advertise_host", listen))
         except HandshakeError as e:  # RouterServer's bind failure
@@ -210,7 +259,7 @@ class HostBackend(Backend):
                 self._peers[md.name] = _Peer(md, self.transport)
             else:  # on the peer's worker, between its transfers
                 try:
-                    peer.pool.submit(peer.update, md, self.transport).result(timeout=self.timeout)
+                    peer.lane.submit(peer.update, md, self.transport).result(timeout=self.timeout)
                 except FuturesTimeout:
                     raise KvtTimeoutError(f"peer {md.name!r} stayed busy for {self.timeout:g}s; "
                                           "its metadata was not refreshed") from None
@@ -225,8 +274,8 @@ class HostBackend(Backend):
             for job in self._xfers.values():
                 if job.peer is p:
                     job.finish(XferState.err(PeerDisconnected(f"peer {peer!r} was removed")))
-        p.pool.submit(p.close)
-        p.pool.shutdown(wait=False)
+        p.lane.submit(p.close)
+        p.lane.pool.shutdown(wait=False)
 
     def _peer(self, name: str) -> _Peer:
         p = self._peers.get(name)
@@ -261,11 +310,23 @@ class HostBackend(Backend):
         job = _Job(op, lrows, lp.descs.kind, rrows, rp.descs.kind, None if notif is None else bytes(notif), peer)
         h = self._next_id()
         self._xfers[h] = job
+        lane = peer.lane if peer else self._local
+        if self._inline_ok(job) and lane.run_inline(self._run, job):
+            return XferHandle(h)
         try:
-            job.future = (peer.pool if peer else self._local).submit(self._run, job)
+            job.future = lane.submit(self._run, job)
         except RuntimeError:  # the peer's worker was shut down by remove_remote in between
             job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
         return XferHandle(h)
+
+    def _inline_ok(self, job: _Job) -> bool:
+        """A small copy between host memory that never touches the network."""
+        if job.lkind is not MemKind.DRAM or job.rkind is not MemKind.DRAM:
+            return False
+        if int(job.lrows[:, 1].sum()) > self.inline_bytes:
+            return False
+        p = job.peer
+        return p is None or (p.same_host and (p.cma_ok or p.mapped(job.rrows) is not None))
 
     def _prep_of(self, handle: PrepHandle) -> _Prep:
         p = self._preps.get(handle)
@@ -288,7 +349,8 @@ class HostBackend(Backend):
         if job is None:
             raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
         job.finish(XferState.err(TransferError("released before completion")))
-        if job.future is not None and not job.future.cancel():
+        lane = job.peer.lane if job.peer else self._local
+        if job.future is not None and not lane.cancel(job.future):
             wait([job.future], timeout=self.timeout + 1)
 
     # -- the work, on a peer's (or the local) worker thread ----------------------
@@ -402,7 +464,7 @@ class HostBackend(Backend):
         self._check_open()
         self._check_notif(msg)
         p = self._peer(peer)
-        p.pool.submit(self._send_notif, p, bytes(msg))
+        p.lane.submit(self._send_notif, p, bytes(msg))
 
     def _send_notif(self, peer: _Peer | None, msg: bytes) -> None:
         if peer is None:
@@ -423,9 +485,9 @@ class HostBackend(Backend):
         for job in self._xfers.values():
             job.finish(XferState.err(TransferError("backend closed")))
         for p in self._peers.values():
-            p.pool.submit(p.close)
-            p.pool.shutdown(wait=True)  # queued jobs are already ERR and return at once
-        self._local.shutdown(wait=True)
+            p.lane.submit(p.close)
+            p.lane.pool.shutdown(wait=True)  # queued jobs are already ERR and return at once
+        self._local.pool.shutdown(wait=True)
         self._server.close()
         self._peers.clear()
         self._xfers.clear()
