@@ -255,6 +255,8 @@ class Agent:
     def block_index(layout: BlockLayout, block_ids: Any) -> np.ndarray:
         """Descriptor indices of ``block_ids`` in every region (region-major)."""
         ids = as_index(block_ids, layout.num_blocks, "block ids")
+        if len(layout.base_addrs) == 1:  # one region: block ids are the indices
+            return ids
         regions = np.arange(len(layout.base_addrs), dtype=np.int64)
         return (regions[:, None] * layout.num_blocks + ids[None, :]).ravel()
 

@@ -207,10 +207,15 @@ class Backend(abc.ABC):
             raise InvalidArgument(f"notification of {len(msg)} bytes exceeds the declared maximum "
                                   f"{self.capabilities.max_notif_bytes}")
 
-    @staticmethod
-    def _pair(local: Descs, local_idx: Any, remote: Descs, remote_idx: Any) -> tuple[np.ndarray, np.ndarray]:
+    @classmethod
+    def _pair(cls, local: Descs, local_idx: Any, remote: Descs, remote_idx: Any) -> tuple[np.ndarray, np.ndarray]:
         """Select and check the paired rows of a transfer: equal counts and
         pairwise equal lengths.  Returns the two ``(k, 3)`` row arrays."""
+        return cls._pair_indexed(local, local_idx, remote, remote_idx)[2:]
+
+    @staticmethod
+    def _pair_indexed(local: Descs, local_idx: Any, remote: Descs, remote_idx: Any):
+        """``_pair``, also returning the normalised indices: ``(li, ri, lrows, rrows)``."""
         li = as_index(local_idx, len(local), "local_idx")
         ri = as_index(remote_idx, len(remote), "remote_idx")
         if li.size != ri.size:
@@ -222,7 +227,7 @@ class Backend(abc.ABC):
             i = int(mismatch[0])
             raise InvalidArgument(f"{mismatch.size} descriptor pairs differ in length; first is pair {i}: "
                                   f"local {int(lrows[i, 1])} bytes vs remote {int(rrows[i, 1])} bytes")
-        return lrows, rrows
+        return li, ri, lrows, rrows
 
 
 class RegionTable:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import sys
 import threading
 import time
@@ -51,6 +52,7 @@ _POLL = 0.05  # seconds between liveness checks while waiting on a peer
 class _Prep:
     peer: str | None
     descs: Descs
+    mapped: np.ndarray | None = None  # our addresses of a peer's rows in its shared segments
 
 
 @dataclass
@@ -62,6 +64,7 @@ class _Job:
     rkind: MemKind
     notif: bytes | None
     peer: "_Peer | None"
+    rmapped: np.ndarray | None = None  # remote rows, mapped into our address space (shm path)
     state: XferState = XferState.PROC
     lock: threading.Lock = field(default_factory=threading.Lock)
     future: Any = None
@@ -125,6 +128,8 @@ class _Peer:
     def __init__(self, md: HostMetadata, transport: str):
         self.name, self.lane = md.name, _Lane(f"kvt-host->{md.name}")
         self._sock: zmq.Socket | None = None
+        self._pidfd: int | None = None
+        self._exit = None  # select.poll over the pidfd
         self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
         self.update(md, transport)
 
@@ -138,6 +143,7 @@ class _Peer:
         # on this host we can watch the peer's process; shm/cma also need transport != tcp
         self.local_pid = md.host_id == host_id() and start_time(md.pid) == md.start_time
         self.same_host = self.local_pid and transport != "tcp"
+        self._watch(md.pid if self.local_pid else None)
         self.cma_ok = self.same_host
         self.failed: TransferError | None = None  # set when it dies or stops answering; cleared by fresh metadata
         if self.same_host and transport == "auto":
@@ -162,7 +168,25 @@ class _Peer:
         return self._seg_local[where] + (rows[:, 0] - self._seg_rows.addrs[where])
 
     def alive(self) -> bool:
-        return not self.local_pid or start_time(self.md.pid) == self.md.start_time
+        if not self.local_pid:
+            return True  # another host: only a timeout tells
+        if self._exit is not None:  # a pidfd turns readable when the process exits: one cheap syscall
+            return not self._exit.poll(0)
+        return start_time(self.md.pid) == self.md.start_time
+
+    def _watch(self, pid: int | None) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        self._pidfd = self._exit = None
+        if pid is not None and hasattr(os, "pidfd_open"):
+            try:
+                self._pidfd = os.pidfd_open(pid)
+            except OSError:
+                return  # old kernel or not allowed: fall back to /proc
+            if start_time(pid) != self.md.start_time:  # it died (and the pid was reused) in between
+                self.local_pid = self.same_host = False
+            self._exit = select.poll()
+            self._exit.register(self._pidfd, select.POLLIN)
 
     def socket(self) -> zmq.Socket:
         if self._sock is None:  # created and used only on this peer's worker thread
@@ -172,6 +196,7 @@ class _Peer:
         return self._sock
 
     def close(self) -> None:
+        self._watch(None)
         if self._sock is not None:
             self._sock.close()
         for addr, size in self._maps.values():
@@ -294,8 +319,10 @@ class HostBackend(Backend):
         else:
             descs.check_within(self._peer(peer).regions.get(descs.kind, Descs.empty(descs.kind)),
                                f"descriptors of peer {peer!r}")
+        # translate once here, so the shm path costs no lookup per transfer
+        mapped = self._peer(peer).mapped(descs.array) if peer is not None and descs.kind is MemKind.DRAM else None
         h = self._next_id()
-        self._preps[h] = _Prep(peer, descs)
+        self._preps[h] = _Prep(peer, descs, mapped)
         return PrepHandle(h)
 
     def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
@@ -306,8 +333,9 @@ class HostBackend(Backend):
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
         peer = None if rp.peer is None else self._peer(rp.peer)
-        lrows, rrows = self._pair(lp.descs, local_idx, rp.descs, remote_idx)
-        job = _Job(op, lrows, lp.descs.kind, rrows, rp.descs.kind, None if notif is None else bytes(notif), peer)
+        _, ri, lrows, rrows = self._pair_indexed(lp.descs, local_idx, rp.descs, remote_idx)
+        job = _Job(op, lrows, lp.descs.kind, rrows, rp.descs.kind, None if notif is None else bytes(notif), peer,
+                   None if rp.mapped is None else rp.mapped[ri])
         h = self._next_id()
         self._xfers[h] = job
         lane = peer.lane if peer else self._local
@@ -326,7 +354,7 @@ class HostBackend(Backend):
         if int(job.lrows[:, 1].sum()) > self.inline_bytes:
             return False
         p = job.peer
-        return p is None or (p.same_host and (p.cma_ok or p.mapped(job.rrows) is not None))
+        return p is None or (p.same_host and (p.cma_ok or job.rmapped is not None))
 
     def _prep_of(self, handle: PrepHandle) -> _Prep:
         p = self._preps.get(handle)
@@ -406,7 +434,7 @@ class HostBackend(Backend):
     def _move_same_host(self, job: _Job, peer: _Peer, local: np.ndarray) -> bool:
         """shm or cma; False if neither is possible (then tcp)."""
         read = job.op is Op.READ
-        mapped = peer.mapped(job.rrows)
+        mapped = job.rmapped
         try:
             if mapped is not None:
                 src, dst = (mapped, local[:, 0]) if read else (local[:, 0], mapped)

@@ -15,6 +15,7 @@ import numpy as np
 
 _IOV_MAX = 1024
 _BIG = 256 * 1024  # rows at least this long are copied in user space at memcpy speed
+_FEW = 16  # this few rows cost less as memmove calls than as one batched system call
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _vm = {}
@@ -76,7 +77,7 @@ def memcopy(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
     if not small.any():
         return
     d, s, n = dst[small], src[small], lengths[small]
-    if _self_cma:
+    if _self_cma and len(n) > _FEW:
         try:
             cma(False, os.getpid(), iov(d, n), iov(s, n))
             return
