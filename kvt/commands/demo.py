@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per block")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10, help="timed reads (after one warm-up read)")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--engine", action="store_true",

@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 _IOV_MAX = 1024
-_BIG = 256 * 1024  # rows at least this long are copied in user space at memcpy speed
+_BIG = 16 * 1024  # rows at least this long: memmove per row (user-space memcpy) beats the kernel copy here
 _FEW = 16  # this few rows cost less as memmove calls than as one batched system call
 
 _libc = ctypes.CDLL(None, use_errno=True)
