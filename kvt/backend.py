@@ -40,7 +40,7 @@ from .errors import ClosedError, InvalidArgument, InvalidHandle, UnknownPeer, Un
 from .types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
                     RegHandle, XferHandle, XferState, as_index)
 
-__all__ = ["Backend", "RegionTable", "Inbox", "unknown_peer"]
+__all__ = ["Backend", "RegionTable", "HandleTable", "take_handle", "Inbox", "unknown_peer"]
 
 
 class Backend(abc.ABC):
@@ -276,6 +276,41 @@ class RegionTable:
         with self._lock:
             self._regs.clear()
             self._by_kind = {}
+
+
+class HandleTable(dict):
+    """Handle -> object.  Looking up a handle that is not there (released,
+    never issued, or not a handle at all) raises ``InvalidHandle`` naming
+    ``what`` it should have been."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def __getitem__(self, handle):
+        try:
+            return super().__getitem__(handle)
+        except (KeyError, TypeError):
+            raise InvalidHandle(f"no {self.what} with handle {handle!r} (released?)") from None
+
+    def take(self, handle):
+        """Remove and return the object, or ``None`` if there is none."""
+        try:
+            return self.pop(handle, None)
+        except TypeError:  # unhashable: certainly not one of ours
+            return None
+
+
+def take_handle(preps: HandleTable, xfers: HandleTable, handle):
+    """``release``'s lookup: a prep handle is removed and ``None`` returned; a
+    transfer handle is removed and its object returned; anything else raises
+    ``InvalidHandle``."""
+    if preps.take(handle) is not None:
+        return None
+    obj = xfers.take(handle)
+    if obj is None:
+        raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
+    return obj
 
 
 class Inbox:

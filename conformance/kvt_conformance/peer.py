@@ -41,7 +41,7 @@ from kvt.types import Descs, MemKind
 from .buffers import Buffer
 from .target import Target, build
 
-__all__ = ["PeerCore", "ProcessPeer", "LocalPeer", "PeerPool", "RemoteBuffer", "PeerFailure",
+__all__ = ["freeze", "PeerCore", "ProcessPeer", "LocalPeer", "PeerPool", "RemoteBuffer", "PeerFailure",
            "shared_pool", "close_shared_pool"]
 
 _READY = "KVT-PEER"
@@ -49,6 +49,20 @@ _LIFETIME = 1800.0      # seconds; a peer never outlives a stuck test run by muc
 _COMMAND_TIMEOUT = 30.0  # seconds for a command that does not wait on anything
 _peer_ids = itertools.count(1)
 
+
+
+def freeze(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once the kernel reports it stopped (a
+    signal is delivered asynchronously: right after ``kill`` the process may
+    still run for a moment and answer, which would make a fault test lie)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise RuntimeError(f"process {pid} did not stop within {timeout:g}s")
 
 class PeerFailure(AssertionError):
     """The peer process failed in a way that is not a kvt error (a test bug or
@@ -323,16 +337,8 @@ class ProcessPeer:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        """Freeze the process (SIGSTOP): alive, but answering nothing.
-        Returns once the kernel reports it stopped (signals are asynchronous)."""
-        self.proc.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                    return
-            time.sleep(0.01)
-        raise RuntimeError(f"peer pid {self.proc.pid} did not stop within 5 s")
+        """Freeze the process (SIGSTOP): alive, but answering nothing."""
+        freeze(self.proc.pid)
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)

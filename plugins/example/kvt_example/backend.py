@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
-from kvt.backend import Backend, Inbox, RegionTable, unknown_peer
-from kvt.errors import (InvalidArgument, InvalidHandle, PeerDisconnected, RemoteRejected, TransferError,
+from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
+from kvt.errors import (InvalidArgument, PeerDisconnected, RemoteRejected, TransferError,
                         UnsupportedOperation, WireError)
 from kvt.types import Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState
 from kvt.wire import Message, decode, encode
@@ -97,8 +97,8 @@ class ExampleBackend(Backend):
         super().__init__(agent_name, options)
         self._regions = RegionTable()                       # ours, read by peers' workers too
         self._peers: dict[str, Descs] = {}                  # peer -> its regions, as its metadata said
-        self._preps: dict[int, tuple[str | None, Descs]] = {}
-        self._xfers: dict[int, _Job] = {}
+        self._preps = HandleTable("prepped descriptor list")  # handle -> (peer or None, Descs)
+        self._xfers = HandleTable("transfer")
         self._inbox = Inbox()
         # one worker: jobs run in the order posted, and never on the caller's thread
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"kvt-example:{agent_name}")
@@ -169,7 +169,7 @@ class ExampleBackend(Backend):
                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
         self._check_open()
         op = self._check_op(op, notif)
-        (lpeer, ldescs), (rpeer, rdescs) = self._prep_of(local_prep), self._prep_of(remote_prep)
+        (lpeer, ldescs), (rpeer, rdescs) = self._preps[local_prep], self._preps[remote_prep]
         if lpeer is not None:
             raise InvalidArgument("local_prep must describe this agent's memory: make it with prep(None, ...)")
         if rpeer is not None:
@@ -180,12 +180,6 @@ class ExampleBackend(Backend):
         self._xfers[h] = job
         job.future = self._worker.submit(self._run, job)
         return XferHandle(h)
-
-    def _prep_of(self, handle: PrepHandle) -> tuple[str | None, Descs]:
-        try:
-            return self._preps[handle]
-        except (KeyError, TypeError):
-            raise InvalidHandle(f"no prepped descriptor list with handle {handle!r} (released?)") from None
 
     def _run(self, job: _Job) -> None:
         """On the worker thread: move the bytes, then deliver the notification."""
@@ -206,22 +200,13 @@ class ExampleBackend(Backend):
 
     def check_state(self, handle: XferHandle) -> XferState:
         self._check_open()
-        return self._job(handle).state
-
-    def _job(self, handle: XferHandle) -> _Job:
-        try:
-            return self._xfers[handle]
-        except (KeyError, TypeError):
-            raise InvalidHandle(f"no transfer with handle {handle!r} (released?)") from None
+        return self._xfers[handle].state
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
         self._check_open()
-        try:
-            if self._preps.pop(handle, None) is not None:
-                return
-            job = self._xfers.pop(handle)
-        except (KeyError, TypeError):
-            raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)") from None
+        job = take_handle(self._preps, self._xfers, handle)
+        if job is None:
+            return
         job.finish(XferState.err(TransferError("released before completion")))
         if not job.future.cancel():
             wait([job.future], timeout=self.timeout)  # a running memmove cannot be interrupted

@@ -31,9 +31,9 @@ from typing import Any, Mapping
 import numpy as np
 import zmq
 from kvt import memory
-from kvt.backend import Backend, Inbox, RegionTable, unknown_peer
+from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
 from kvt.procs import host_id, start_time
-from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError,
+from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, KvtTimeoutError,
                         PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState)
@@ -129,7 +129,6 @@ class _Peer:
         self.name, self.lane = md.name, _Lane(f"kvt-host->{md.name}")
         self._sock: zmq.Socket | None = None
         self._pidfd: int | None = None
-        self._exit = None  # select.poll over the pidfd
         self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
         self.update(md, transport)
 
@@ -170,14 +169,16 @@ class _Peer:
     def alive(self) -> bool:
         if not self.local_pid:
             return True  # another host: only a timeout tells
-        if self._exit is not None:  # a pidfd turns readable when the process exits: one cheap syscall
-            return not self._exit.poll(0)
+        if self._pidfd is not None:  # a pidfd turns readable when the process exits: one cheap syscall
+            exited = select.poll()  # per call: a poll object must not be polled from two threads at once
+            exited.register(self._pidfd, select.POLLIN)
+            return not exited.poll(0)
         return start_time(self.md.pid) == self.md.start_time
 
     def _watch(self, pid: int | None) -> None:
         if self._pidfd is not None:
             os.close(self._pidfd)
-        self._pidfd = self._exit = None
+        self._pidfd = None
         if pid is not None and hasattr(os, "pidfd_open"):
             try:
                 self._pidfd = os.pidfd_open(pid)
@@ -185,8 +186,6 @@ class _Peer:
                 return  # old kernel or not allowed: fall back to /proc
             if start_time(pid) != self.md.start_time:  # it died (and the pid was reused) in between
                 self.local_pid = self.same_host = False
-            self._exit = select.poll()
-            self._exit.register(self._pidfd, select.POLLIN)
 
     def socket(self) -> zmq.Socket:
         if self._sock is None:  # created and used only on this peer's worker thread
@@ -230,8 +229,8 @@ class HostBackend(Backend):
         self._lock = threading.RLock()
         self._regions = RegionTable()
         self._mirrors = Mirrors()
-        self._preps: dict[int, _Prep] = {}
-        self._xfers: dict[int, _Job] = {}
+        self._preps = HandleTable("prepped descriptor list")
+        self._xfers = HandleTable("transfer")
         self._peers: dict[str, _Peer] = {}
         self._inbox = Inbox()
         self._local = _Lane("kvt-host-local")
@@ -329,7 +328,7 @@ class HostBackend(Backend):
                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
         self._check_open()
         op = self._check_op(op, notif)
-        lp, rp = self._prep_of(local_prep), self._prep_of(remote_prep)
+        lp, rp = self._preps[local_prep], self._preps[remote_prep]
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
         peer = None if rp.peer is None else self._peer(rp.peer)
@@ -356,26 +355,15 @@ class HostBackend(Backend):
         p = job.peer
         return p is None or (p.same_host and (p.cma_ok or job.rmapped is not None))
 
-    def _prep_of(self, handle: PrepHandle) -> _Prep:
-        p = self._preps.get(handle)
-        if p is None:
-            raise InvalidHandle(f"no prepped descriptor list with handle {handle!r} (released?)")
-        return p
-
     def check_state(self, handle: XferHandle) -> XferState:
         self._check_open()
-        job = self._xfers.get(handle)
-        if job is None:
-            raise InvalidHandle(f"no transfer with handle {handle!r} (released?)")
-        return job.state
+        return self._xfers[handle].state
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
         self._check_open()
-        if self._preps.pop(handle, None) is not None:
-            return
-        job = self._xfers.pop(handle, None)
+        job = take_handle(self._preps, self._xfers, handle)
         if job is None:
-            raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
+            return
         job.finish(XferState.err(TransferError("released before completion")))
         lane = job.peer.lane if job.peer else self._local
         if job.future is not None and not lane.cancel(job.future):
@@ -400,8 +388,8 @@ class HostBackend(Backend):
                 job.peer.failed = PeerDisconnected(f"peer {job.peer.name!r} is gone ({e}); "
                                                    "re-add its metadata to try again")
             job.finish(XferState.err(e))
-        except (KvtError, OSError, BufferError, ValueError, zmq.ZMQError) as e:
-            job.finish(XferState.err(TransferError(f"{job.op.value} failed: {e}")))
+        except Exception as e:  # whatever went wrong, the job must settle: nothing may stay PROC
+            job.finish(XferState.err(TransferError(f"{job.op.value} failed: {type(e).__name__}: {e}")))
 
     def _move(self, job: _Job) -> None:
         read = job.op is Op.READ

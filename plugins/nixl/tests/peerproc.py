@@ -11,6 +11,7 @@ import signal
 import time
 
 import numpy as np
+from kvt_conformance.peer import freeze
 
 NUM_BLOCKS, BLOCK = 64, 4096
 
@@ -112,7 +113,7 @@ class Peer:
 
     def freeze(self) -> None:
         self.frozen = True
-        os.kill(self.pid, signal.SIGSTOP)
+        freeze(self.pid)
 
     def kill(self) -> None:
         if self.proc.is_alive():

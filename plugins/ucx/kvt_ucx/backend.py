@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
-from kvt.backend import Backend, Inbox, RegionTable, unknown_peer
-from kvt.errors import (ClosedError, ConfigError, InvalidArgument, InvalidHandle, KvtError, PeerDisconnected, TransferError,
+from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
+from kvt.errors import (ClosedError, ConfigError, InvalidArgument, KvtError, PeerDisconnected, TransferError,
                         WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle,
                        XferState, as_index)
@@ -99,8 +99,8 @@ class UcxBackend(Backend):
                              error_handling=mode, ucx={str(k): str(v) for k, v in ucx.items()})
         self._lock = threading.RLock()
         self._regions = RegionTable()
-        self._preps: dict[int, _Prep] = {}
-        self._xfers: dict[int, Xfer] = {}
+        self._preps = HandleTable("prepped descriptor list")
+        self._xfers = HandleTable("transfer")
         self._peers: dict[str, _Peer] = {}
         self._inbox = Inbox()
         self._engine = Engine(agent_name, opts, self._regions, self._inbox.deliver)
@@ -174,7 +174,7 @@ class UcxBackend(Backend):
                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
         self._check_open()
         op = self._check_op(op, notif)
-        lp, rp = self._prep_of(local_prep), self._prep_of(remote_prep)
+        lp, rp = self._preps[local_prep], self._preps[remote_prep]
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
         ident = self._engine.ident if rp.peer is None else self._peer(rp.peer).md.ident
@@ -192,27 +192,14 @@ class UcxBackend(Backend):
         self._engine.post(x)
         return XferHandle(h)
 
-    def _prep_of(self, handle: PrepHandle) -> _Prep:
-        p = self._preps.get(handle)
-        if p is None:
-            raise InvalidHandle(f"no prepped descriptor list with handle {handle!r} (released?)")
-        return p
-
     def check_state(self, handle: XferHandle) -> XferState:
         self._check_open()
-        x = self._xfers.get(handle)
-        if x is None:
-            raise InvalidHandle(f"no transfer with handle {handle!r} (released?)")
-        return x.state
+        return self._xfers[handle].state
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
         self._check_open()
-        if self._preps.pop(handle, None) is not None:
-            return
-        x = self._xfers.pop(handle, None)
-        if x is None:
-            raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
-        if x.state.pending:  # cancel on the service thread, which owns its requests
+        x = take_handle(self._preps, self._xfers, handle)
+        if x is not None and x.state.pending:  # cancel on the service thread, which owns its requests
             try:
                 self._engine.call(lambda: self._engine.cancel(x), self.timeout)
             except ClosedError:  # the thread is gone, and with it every request

@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 
 import numpy as np
+from kvt_conformance.peer import freeze
 
 NBYTES = 1 << 20   # main buffer
 EXTRA = 1 << 16    # a second registration the tests can withdraw
@@ -109,7 +110,7 @@ class Peer:
         return [(s, m, np.frombuffer(b, np.uint8)) for s, m, b in got]
 
     def freeze(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        freeze(self.proc.pid)
 
     def thaw(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
