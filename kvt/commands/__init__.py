@@ -24,10 +24,12 @@ from ..errors import ConfigError
 __all__ = ["add_config_arguments", "config_from_args", "parse_option"]
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--backend``, ``--config`` and repeatable ``-o/--option KEY=VALUE``."""
+def add_config_arguments(parser: argparse.ArgumentParser, *, backend_metavar: str = "NAME",
+                         backend_help: str = "backend to use (see `kvt backends`); default: host") -> None:
+    """Add ``--backend``, ``--config`` and repeatable ``-o/--option KEY=VALUE``
+    (a command whose ``--backend`` means something else says so in ``backend_help``)."""
     group = parser.add_argument_group("configuration (overrides KVT_BACKEND / KVT_CONFIG)")
-    group.add_argument("--backend", metavar="NAME", help="backend to use (see `kvt backends`); default: host")
+    group.add_argument("--backend", metavar=backend_metavar, help=backend_help)
     group.add_argument("--config", metavar="PATH", help="TOML config file (default: $KVT_CONFIG)")
     group.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", default=[], dest="options",
                        help="backend option; VALUE is parsed as JSON when it can be (5, true, \"x\"), "

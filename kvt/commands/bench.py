@@ -60,10 +60,8 @@ def register(subparsers: Any) -> None:
     out.add_argument("--plot", metavar="FILE.png", help="plot bandwidth vs block size per backend")
     out.add_argument("--markdown", metavar="FILE", help="write the tables as GitHub markdown (for docs)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_config_arguments(p)
-    for action in p._actions:  # the shared flag names one backend; here it takes a list
-        if action.dest == "backend":
-            action.metavar, action.help = "LIST", "backends to measure, e.g. host,nixl,ucx (default: every installed one)"
+    add_config_arguments(p, backend_metavar="LIST",
+                         backend_help="backends to measure, e.g. host,nixl,ucx (default: every installed one)")
     p.set_defaults(func=run)
 
 
