@@ -1,26 +1,30 @@
-"""``ucx``: kvt's one-sided verbs over raw UCX, through ucxx tag messages.
+"""``ucx``: kvt's one-sided verbs on UCX RMA (``ucp_get_nbx``/``ucp_put_nbx``
+with remote keys), through the compiled binding :mod:`kvt_ucx._ucp`.
 
-ucxx has no RMA, so READ and WRITE are two-sided underneath: the target's
-service thread answers requests, only inside memory it registered (see
-:mod:`kvt_ucx.engine`).  Small blocks travel packed into staging messages,
-large ones straight between the two processes' memory (:mod:`kvt_ucx.plan`).
+A transfer is one call into C with numpy arrays of (local address, remote
+address, length, remote-key index): no per-block Python.  The target runs no
+code for the data; only memory it registered has remote keys, and its
+metadata carries them.  A notification is an active message sent after a flush
+of the endpoint, so it arrives after the data.  A C progress thread sleeps on
+the worker's event fd; polling ``check_state`` also progresses the worker.
 
-Speed and failure detection: UCX's peer error-handling mode disables its
-shared-memory transports, so endpoints to peers on this host run without it
-(shared memory and cross-memory attach at full speed) and a dead same-host
-peer is detected by its pid (checked every 50 ms while a transfer is in
-flight).  Endpoints to other hosts use UCX's error handling.  Every transfer
-also has a deadline: ``timeout`` seconds.  See docs/backends/ucx.md.
+Dead peers: UCX's peer error handling disables its fast same-host transport
+(cross-memory attach: 10 GB/s -> 0.7 GB/s over TCP here), so endpoints to
+same-host peers run without it.  A dead same-host peer is still reported:
+the C progress thread watches a pidfd of each same-host peer and fails its
+endpoint when the process exits (no cost per transfer).
+Endpoints to other hosts use peer error handling.  Every transfer also has a
+deadline (``timeout``).  See docs/backends/ucx.md.
 
-Options: ``timeout`` (s, default 30), ``zcopy_min`` (bytes; runs this long go
-in place, default 256 KiB), ``stage_max`` (bytes per staged message, default
-4 MiB), ``pool_bytes`` (staging buffers kept, default 256 MiB),
-``error_handling`` (``auto`` | ``peer`` | ``none``), ``ucx`` (a table of UCX
-settings without the ``UCX_`` prefix, e.g. ``{TLS = "tcp,self"}``).
+Options: ``timeout`` (s, default 30), ``error_handling`` (``auto`` | ``peer``
+| ``none``), ``ucx_env`` (UCX_* settings, as for the nixl backend, e.g.
+``{UCX_TLS = "cma,tcp,self"}``), ``ucx`` (the same without the ``UCX_``
+prefix), ``notif_queue`` (notifications held at most, default 4096).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -29,54 +33,100 @@ from typing import Any, Mapping
 
 import numpy as np
 from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
-from kvt.errors import (ClosedError, ConfigError, InvalidArgument, KvtError, PeerDisconnected, TransferError,
-                        WireError)
+from kvt.errors import (ConfigError, InvalidArgument, PeerDisconnected, TransferError,
+                        TransferTimeout, WireError)
+from kvt.procs import host_id, start_time
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle,
                        XferState, as_index)
-from kvt.wire import decode, encode
+from kvt.wire import Message, decode, encode
 
 from . import native
-from .engine import Engine, EngineOptions, Xfer
-from .plan import make_plan
-from .protocol import UcxMetadata, rows_of
 
-__all__ = ["UcxBackend"]
+__all__ = ["UcxBackend", "UcxMetadata"]
 
 _MODES = ("auto", "peer", "none")
+_MAX_NOTIF = 1 << 20
+_MAX_ADDRESS = 1 << 16  # a UCX worker address is a few hundred bytes
+_MAX_RKEY = 1 << 12
+
+
+class UcxMetadata(Message, tag="ucx_rma_md"):
+    """``local_metadata()``: who we are, how to reach us, and our registered
+    DRAM rows with one packed remote key per row (same order)."""
+
+    name: str
+    address: bytes          # UCX worker address
+    host: str               # host_id(): equal means same host and same /proc view
+    pid: int
+    start: int              # start_time(pid): a reused pid is not taken for the peer
+    rows: bytes             # (n, 3) uint64: address, length, device
+    rkeys: list[bytes]
+
+
+@dataclass
+class _Peer:
+    md: UcxMetadata
+    regions: Descs
+    ep: Any                 # _ucp.Endpoint
+    keys: list              # _ucp.RemoteKey per row of ``regions``
+    same_host: bool
 
 
 @dataclass(frozen=True)
 class _Prep:
     peer: str | None
     descs: Descs
-    region: np.ndarray  # registration index of each row (from locate)
+    region: np.ndarray      # registration row of each descriptor (from locate)
 
 
-@dataclass
-class _Peer:
-    md: UcxMetadata
-    regions: dict[MemKind, Descs]
+@dataclass(eq=False)
+class _Xfer:
+    op: Op
+    peer: _Peer
+    native: Any             # _ucp.Xfer
+    deadline: float
+    state: XferState = XferState.PROC
 
 
-def _caps(cuda: bool) -> Capabilities:
-    kinds = {MemKind.DRAM, MemKind.VRAM} if cuda else {MemKind.DRAM}
-    return Capabilities(mem_kinds=frozenset(kinds), ops=frozenset(Op), notifications=True, local=True,
-                        remote=True, cross_host=True, max_notif_bytes=1 << 20)
+def _caps() -> Capabilities:
+    return Capabilities(mem_kinds=frozenset({MemKind.DRAM}), ops=frozenset(Op), notifications=True, local=True,
+                        remote=True, cross_host=True, max_notif_bytes=_MAX_NOTIF)
 
 
-def _size(options: Mapping[str, Any], key: str, default: int) -> int:
-    value = options.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"ucx backend option {key!r} must be a positive integer (bytes), got {value!r}")
-    return value
+def _ucx_config(options: Mapping[str, Any]) -> dict[str, str]:
+    """UCX settings without the ``UCX_`` prefix, from ``ucx_env`` (UCX_*
+    names, the nixl backend's option) and ``ucx`` (bare names)."""
+    env, bare = options.get("ucx_env", {}), options.get("ucx", {})
+    if not isinstance(env, Mapping) or not isinstance(bare, Mapping):
+        raise ConfigError("ucx backend options 'ucx_env' and 'ucx' must be tables of UCX settings")
+    bad = [k for k in env if not str(k).startswith("UCX_")]
+    if bad:
+        raise ConfigError(f"ucx backend option 'ucx_env' takes UCX_* variables only, got {bad}")
+    out = {str(k)[4:]: str(v) for k, v in env.items()}
+    out.update({str(k): str(v) for k, v in bare.items()})
+    return out
+
+
+def _merge(lrows: np.ndarray, rrows: np.ndarray, key: np.ndarray):
+    """Merge consecutive pairs that continue each other on both sides under
+    one remote key: (local addresses, remote addresses, lengths, keys)."""
+    keep = lrows[:, 1] > 0
+    lrows, rrows, key = lrows[keep], rrows[keep], key[keep]
+    lens = lrows[:, 1]
+    if len(lens) < 2:
+        return lrows[:, 0], rrows[:, 0], lens, key
+    goes_on = ((lrows[:-1, 0] + lens[:-1] == lrows[1:, 0]) & (rrows[:-1, 0] + lens[:-1] == rrows[1:, 0])
+               & (key[:-1] == key[1:]))
+    if not goes_on.any():
+        return lrows[:, 0], rrows[:, 0], lens, key
+    heads = np.flatnonzero(np.concatenate(([True], ~goes_on)))
+    return lrows[heads, 0], rrows[heads, 0], np.add.reduceat(lens, heads), key[heads]
 
 
 class UcxBackend(Backend):
-    """kvt over UCX (ucxx).  One UCX context, worker and service thread per instance."""
+    """kvt over UCX RMA.  One UCP context, worker and C progress thread per instance."""
 
-    # VRAM only where a CUDA driver reports a device; each instance narrows
-    # this further to what its UCX context supports.
-    capabilities = _caps(native.cuda_devices() > 0)
+    capabilities = _caps()
 
     @classmethod
     def availability(cls) -> Availability:
@@ -88,24 +138,30 @@ class UcxBackend(Backend):
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         super().__init__(agent_name, options)
         o = self.options
-        mode = o.get("error_handling", "auto")
-        if mode not in _MODES:
-            raise ConfigError(f"ucx backend option 'error_handling' must be one of {_MODES}, got {mode!r}")
-        ucx = o.get("ucx", {})
-        if not isinstance(ucx, Mapping):
-            raise ConfigError(f"ucx backend option 'ucx' must be a table of UCX settings, got {ucx!r}")
-        opts = EngineOptions(timeout=self.timeout, zcopy_min=_size(o, "zcopy_min", 256 << 10),
-                             stage_max=_size(o, "stage_max", 4 << 20), pool_bytes=_size(o, "pool_bytes", 256 << 20),
-                             error_handling=mode, ucx={str(k): str(v) for k, v in ucx.items()})
+        self._mode = o.get("error_handling", "auto")
+        if self._mode not in _MODES:
+            raise ConfigError(f"ucx backend option 'error_handling' must be one of {_MODES}, got {self._mode!r}")
+        queue = o.get("notif_queue", 4096)
+        if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
+            raise ConfigError(f"ucx backend option 'notif_queue' must be a positive integer, got {queue!r}")
+        config = _ucx_config(o)
+        self._ucp = native.load()
+        try:
+            self._worker = self._ucp.Worker(agent_name.encode(), config, _MAX_NOTIF, queue, 64 * _MAX_NOTIF)
+            self._address = self._worker.address()
+        except self._ucp.Error as e:
+            raise ConfigError(f"UCX refused to start with settings {config} (options 'ucx_env'/'ucx') and the "
+                              f"UCX_* environment: {e.args[0]}") from None
+        pid = os.getpid()
+        self._host, self._pid, self._start = host_id(), pid, start_time(pid)
         self._lock = threading.RLock()
         self._regions = RegionTable()
+        self._mapped: dict[int, list[tuple[Any, bytes]]] = {}  # handle -> (MemHandle, packed rkey) per row
         self._preps = HandleTable("prepped descriptor list")
         self._xfers = HandleTable("transfer")
         self._peers: dict[str, _Peer] = {}
+        self._self: _Peer | None = None  # ourselves as a peer, for local transfers
         self._inbox = Inbox()
-        self._engine = Engine(agent_name, opts, self._regions, self._inbox.deliver)
-        if not self._engine.cuda and MemKind.VRAM in self.capabilities.mem_kinds:
-            self.capabilities = _caps(False)  # this context has no CUDA transport
 
     # -- memory ---------------------------------------------------------------
 
@@ -113,43 +169,120 @@ class UcxBackend(Backend):
         self._check_open()
         descs = Descs.coerce(mem)
         self._check_kind(descs.kind)
+        mapped = []
+        try:
+            for addr, n in descs.array[:, :2].tolist():
+                mapped.append(self._worker.mem_map(addr, n) if n else (None, b""))
+        except (self._ucp.Error, ValueError, OverflowError) as e:
+            for m, _ in mapped:
+                if m is not None:
+                    m.unmap()
+            raise InvalidArgument(f"UCX cannot register this memory: {e.args[0] if e.args else e}") from None
         h = self._next_id()
-        self._regions.add(h, descs)
+        with self._lock:
+            self._mapped[h] = mapped
+            self._regions.add(h, descs)
+            self._self = None
         return RegHandle(h)
 
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
-        self._regions.remove(handle)
+        with self._lock:
+            self._regions.remove(handle)
+            for m, _ in self._mapped.pop(handle, []):
+                if m is not None:
+                    m.unmap()
+            self._self = None
 
     # -- peers ----------------------------------------------------------------
 
+    def _metadata(self) -> UcxMetadata:
+        with self._lock:  # rows and keys in the same order: the RegionTable's (registration order)
+            rows = self._regions.of(MemKind.DRAM).array
+            rkeys = [k for mapped in self._mapped.values() for _, k in mapped]
+        return UcxMetadata(name=self.agent_name, address=self._address, host=self._host, pid=self._pid,
+                           start=self._start, rows=np.ascontiguousarray(rows, np.uint64).tobytes(), rkeys=rkeys)
+
     def local_metadata(self) -> bytes:
         self._check_open()
-        return encode(UcxMetadata(ident=self._engine.ident,
-                                  regions={k.value: d.array.tobytes() for k, d in self._regions.by_kind().items()}))
+        return encode(self._metadata())
+
+    def _connect(self, md: UcxMetadata, watch: bool = True) -> _Peer:
+        if not md.address or len(md.address) > _MAX_ADDRESS or any(len(k) > _MAX_RKEY for k in md.rkeys):
+            raise WireError(f"metadata of {md.name!r}: worker address or remote keys of impossible size")
+        raw = md.rows
+        if len(raw) % 24 or len(raw) // 24 != len(md.rkeys):
+            raise WireError(f"metadata of {md.name!r}: {len(raw)} bytes of rows for {len(md.rkeys)} remote keys")
+        try:
+            regions = Descs(np.frombuffer(raw, np.uint64).reshape(-1, 3), MemKind.DRAM)
+        except Exception as e:
+            raise WireError(f"metadata of {md.name!r}: bad region rows: {e}") from None
+        same_host = md.host == self._host
+        pidfd = self._pidfd(md) if same_host and watch else -1
+        peer_mode = self._mode == "peer" or (self._mode == "auto" and not same_host)
+        try:
+            ep = self._worker.connect(md.address, peer_mode)
+        except self._ucp.Error as e:
+            if pidfd >= 0:
+                os.close(pidfd)
+            raise PeerDisconnected(f"cannot reach peer {md.name!r}: {e.args[0]}") from None
+        if pidfd >= 0:
+            ep.watch(pidfd)  # the progress thread fails the endpoint when the process exits
+        try:
+            keys = [ep.unpack(k) if k else None for k in md.rkeys]
+        except self._ucp.Error as e:
+            ep.close()
+            raise WireError(f"metadata of {md.name!r}: a remote key UCX cannot unpack: {e.args[0]}") from None
+        return _Peer(md, regions, ep, keys, same_host)
+
+    def _pidfd(self, md: UcxMetadata) -> int:
+        """A pidfd of a same-host peer, after checking the pid is that peer's."""
+        if md.pid == self._pid:
+            raise WireError(f"metadata of {md.name!r} claims this process's own pid {md.pid}")
+        if md.pid <= 0 or start_time(md.pid) != md.start:
+            raise PeerDisconnected(f"peer {md.name!r} (pid {md.pid} on this host) is not running")
+        try:
+            return os.pidfd_open(md.pid)
+        except (OSError, OverflowError) as e:
+            raise PeerDisconnected(f"peer {md.name!r} (pid {md.pid} on this host) is not running: {e}") from None
 
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
         md = decode(metadata, UcxMetadata)
-        name = md.ident.name
-        if name == self.agent_name:
-            raise InvalidArgument(f"metadata is this agent's own ({name!r}); local transfers use prep(None, ...)")
-        try:
-            regions = {MemKind(k): Descs(rows_of(v), k) for k, v in md.regions.items()}
-        except (ValueError, KvtError) as e:
-            raise WireError(f"bad region table in metadata of {name!r}: {e}") from e
+        if md.name == self.agent_name:
+            raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
+        peer = self._connect(md)
         with self._lock:
-            self._peers[name] = _Peer(md, regions)
-        return name
+            old = self._peers.pop(md.name, None)
+            self._peers[md.name] = peer
+        if old is not None:
+            self._drop(old, PeerDisconnected(f"peer {md.name!r} was replaced by new metadata"))
+        return md.name
 
     def remove_remote(self, peer: str) -> None:
         self._check_open()
         with self._lock:
-            if self._peers.pop(peer, None) is None:
-                raise unknown_peer(peer, self._peers)
-        self._engine.fail_peer(peer, PeerDisconnected(f"peer {peer!r} was removed"))
+            p = self._peers.pop(peer, None)
+        if p is None:
+            raise unknown_peer(peer, self._peers)
+        self._drop(p, PeerDisconnected(f"peer {peer!r} was removed"))
 
-    def _peer(self, name: str) -> _Peer:
+    def _drop(self, p: _Peer, cause: TransferError) -> None:
+        """End transfers to ``p`` with ``cause``, then free its keys and endpoint."""
+        for x in list(self._xfers.values()):
+            if x.peer is p:
+                self._end(x, XferState.err(cause))
+        for k in p.keys:
+            if k is not None:
+                k.destroy()
+        p.ep.close()
+
+    def _peer(self, name: str | None) -> _Peer:
+        if name is None:
+            with self._lock:
+                if self._self is None:
+                    self._self = self._connect(self._metadata(), watch=False)
+                return self._self
         p = self._peers.get(name)
         if p is None:
             raise unknown_peer(name, self._peers)
@@ -164,8 +297,8 @@ class UcxBackend(Backend):
         if peer is None:
             regions, what = self._regions.of(descs.kind), "local descriptors"
         else:
-            regions, what = self._peer(peer).regions.get(descs.kind), f"descriptors of peer {peer!r}"
-        region = descs.check_within(regions if regions is not None else Descs.empty(descs.kind), what)
+            regions, what = self._peer(peer).regions, f"descriptors of peer {peer!r}"
+        region = descs.check_within(regions, what)
         h = self._next_id()
         self._preps[h] = _Prep(peer, descs, region)
         return PrepHandle(h)
@@ -177,43 +310,67 @@ class UcxBackend(Backend):
         lp, rp = self._preps[local_prep], self._preps[remote_prep]
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
-        ident = self._engine.ident if rp.peer is None else self._peer(rp.peer).md.ident
+        peer = self._peer(rp.peer)
+        if rp.peer is None and len(peer.keys) != len(self._regions.of(MemKind.DRAM)):
+            raise InvalidArgument("registrations changed since this local prep; prep the descriptors again")
         lrows, rrows = self._pair(lp.descs, local_idx, rp.descs, remote_idx)
-        rregion = rp.region[as_index(remote_idx, len(rp.descs), "remote_idx")]
-        o = self._engine.opts
-        # device memory is never staged through numpy: every run goes in place
-        on_device = lp.descs.kind is not MemKind.DRAM or rp.descs.kind is not MemKind.DRAM
-        plan = make_plan(lrows, rrows, rregion, sender_is_local=op is Op.WRITE, zcopy_min=o.zcopy_min,
-                         stage_max=o.stage_max, in_place_only=on_device)
-        x = Xfer(op=op, peer=ident, kind=rp.descs.kind, local_kind=lp.descs.kind, plan=plan,
-                 notif=None if notif is None else bytes(notif), deadline=time.monotonic() + self.timeout)
+        key = rp.region[as_index(remote_idx, len(rp.descs), "remote_idx")].astype(np.uint32)
+        laddr, raddr, lens, key = _merge(lrows, rrows, key)
+        try:
+            nx = self._worker.post(int(op is Op.WRITE), peer.ep, np.ascontiguousarray(laddr, np.uint64),
+                                   np.ascontiguousarray(raddr, np.uint64), np.ascontiguousarray(lens, np.uint64),
+                                   np.ascontiguousarray(key, np.uint32), peer.keys,
+                                   None if notif is None else bytes(notif))
+        except ValueError as e:  # a key withdrawn by a newer add_remote or a closed endpoint
+            raise InvalidArgument(f"cannot post this {op.value}: {e}") from None
         h = self._next_id()
-        self._xfers[h] = x
-        self._engine.post(x)
+        self._xfers[h] = _Xfer(op, peer, nx, time.monotonic() + self.timeout)
         return XferHandle(h)
+
+    def _end(self, x: _Xfer, state: XferState) -> None:
+        if x.state.pending:
+            x.state = state
+            x.native.cancel(-16)
 
     def check_state(self, handle: XferHandle) -> XferState:
         self._check_open()
-        return self._xfers[handle].state
+        x = self._xfers[handle]
+        if not x.state.pending:
+            return x.state
+        st = x.native.status()
+        if st == native.INPROGRESS:
+            now = time.monotonic()
+            if now > x.deadline:
+                self._end(x, XferState.err(TransferTimeout(
+                    f"{x.op.value} with {x.peer.md.name!r} did not complete within {self.timeout:g}s")))
+            elif (err := x.peer.ep.error()) != 0:  # UCX's error handling, or the pid watch, failed the peer
+                self._end(x, XferState.err(native.error_of(err, f"{x.op.value} with {x.peer.md.name!r}")))
+        elif st == 0:
+            x.state = XferState.DONE
+        else:
+            x.state = XferState.err(native.error_of(st, f"{x.op.value} with {x.peer.md.name!r}"))
+        return x.state
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
         self._check_open()
         x = take_handle(self._preps, self._xfers, handle)
-        if x is not None and x.state.pending:  # cancel on the service thread, which owns its requests
-            try:
-                self._engine.call(lambda: self._engine.cancel(x), self.timeout)
-            except ClosedError:  # the thread is gone, and with it every request
-                x.state = XferState.err(TransferError("released before completion"))
+        if x is not None:
+            self._end(x, XferState.err(TransferError("released before completion")))
 
     # -- notifications --------------------------------------------------------
 
     def notify(self, peer: str, msg: bytes) -> None:
         self._check_open()
         self._check_notif(msg)
-        self._engine.send_notif(self._peer(peer).md.ident, bytes(msg))
+        try:
+            self._peer(peer).ep.notify(bytes(msg))
+        except self._ucp.Error as e:
+            raise native.error_of(e.args[1], f"notification to {peer!r}") from None
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()
+        for sender, msg in self._worker.take_notifs():
+            self._inbox.deliver(sender.decode("utf-8", "replace"), msg)
         return self._inbox.take()
 
     # -- lifecycle ------------------------------------------------------------
@@ -222,11 +379,21 @@ class UcxBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        self._engine.close(self.timeout + 5)
+        with self._lock:
+            peers = list(self._peers.values()) + ([self._self] if self._self else [])
+            self._peers.clear()
+            self._self = None
+        for p in peers:
+            self._drop(p, TransferError("backend closed"))
         for x in self._xfers.values():
-            if x.state.pending:
-                x.state = XferState.err(TransferError("backend closed"))
+            self._end(x, XferState.err(TransferError("backend closed")))
         self._xfers.clear()
         self._preps.clear()
-        self._peers.clear()
+        for mapped in self._mapped.values():
+            for m, _ in mapped:
+                if m is not None:
+                    m.unmap()
+        self._mapped.clear()
         self._regions.clear()
+        self._worker.close()
+

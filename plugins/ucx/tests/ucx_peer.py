@@ -21,18 +21,21 @@ EXTRA = 1 << 16    # a second registration the tests can withdraw
 _CMD_TIMEOUT = 60.0
 #: UCX's TCP transport would listen on every network interface; tests stay on loopback
 LOOPBACK_ONLY = {"NET_DEVICES": "lo"}
+#: no cross-memory attach: RMA emulated over TCP, served by the target's progress thread
+TCP_ONLY = {**LOOPBACK_ONLY, "TLS": "tcp,self"}
+BIG = 64 << 20     # main buffer of a peer started with nbytes=BIG
 
 
 def pattern(seed: int, nbytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
-def _serve(conn, name: str, options: dict) -> None:
+def _serve(conn, name: str, options: dict, nbytes: int) -> None:
     from kvt.handshake import HandshakeServer
     from kvt.types import Descs
     from kvt_ucx import UcxBackend
 
-    main, extra = np.zeros(NBYTES, np.uint8), np.zeros(EXTRA, np.uint8)
+    main, extra = np.zeros(nbytes, np.uint8), np.zeros(EXTRA, np.uint8)
     with UcxBackend(name, options) as backend:
         backend.register(Descs.from_buffers([main]))
         extra_reg = backend.register(Descs.from_buffers([extra]))
@@ -121,10 +124,10 @@ class Peer:
 
 
 @contextmanager
-def peer_process(name: str = "peer", **options):
+def peer_process(name: str = "peer", nbytes: int = NBYTES, **options):
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(theirs, name, {"timeout": 5.0, "ucx": LOOPBACK_ONLY, **options}), daemon=True)
+    proc = ctx.Process(target=_serve, args=(theirs, name, {"timeout": 5.0, "ucx": LOOPBACK_ONLY, **options}, nbytes), daemon=True)
     proc.start()
     try:
         if not ours.poll(60):

@@ -1,0 +1,1065 @@
+/*
+ * kvt_ucx._ucp: the ucx backend's binding to UCX's one-sided API (UCP RMA).
+ *
+ * One Worker owns a UCP context and worker and one progress thread (a plain
+ * pthread that never takes the GIL).  Every UCP call, from that thread or from
+ * Python, runs under the worker's mutex (the worker is created SERIALIZED).
+ * The thread sleeps on the worker's event fd (ucp_worker_arm) and wakes for
+ * network events or an eventfd poke; Python's polling calls also progress the
+ * worker, so a caller that polls completes as fast as it polls.
+ *
+ * A transfer is one post() call: every row is a ucp_get_nbx/ucp_put_nbx whose
+ * request is released at once; one ucp_ep_flush_nbx after the last row ends
+ * the transfer (every row completed at both ends, or the endpoint's error),
+ * and only then is its notification sent as an active message.  The target
+ * does nothing for the data: only memory it mapped has remote keys.
+ *
+ * Nothing here aborts: every UCX status becomes a Python exception
+ * (_ucp.Error with .status) or a transfer state.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <ucp/api/ucp.h>
+
+#define AM_NOTIF 0x6b76 /* active message id of notifications */
+#define MAX_NAME 1024   /* longest sender name accepted in a notification */
+
+static PyObject *UcpError;
+
+/* ------------------------------------------------------------------------ */
+
+typedef struct notif_s {
+    struct notif_s *next;
+    size_t name_len, len;
+    char data[]; /* name, then message */
+} notif_t;
+
+typedef struct {
+    PyObject_HEAD
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    pthread_mutex_t mu;
+    pthread_t thread;
+    int thread_started;
+    int efd, wakefd, epfd;
+    volatile int stop;
+    int closed;
+    long inflight;            /* transfers not yet ended */
+    char *name;
+    size_t name_len;
+    size_t max_notif, max_queue, max_queue_bytes;
+    notif_t *head, *tail;
+    size_t queued, queued_bytes, dropped;
+} Worker;
+
+typedef struct {
+    ucs_status_t status;      /* UCS_OK while usable; the error UCX (or the pid watch) reported */
+    int closing;
+    int pidfd;                /* the peer process (same host), watched by the progress thread; or -1 */
+} ep_state_t;
+
+typedef struct {
+    PyObject_HEAD
+    Worker *w;
+    ucp_ep_h ep;
+    ep_state_t *st;
+    int peer_mode;
+} Endpoint;
+
+typedef struct {
+    PyObject_HEAD
+    Endpoint *ep;
+    ucp_rkey_h rkey;
+} RemoteKey;
+
+typedef struct {
+    PyObject_HEAD
+    Worker *w;
+    ucp_mem_h memh;
+} MemHandle;
+
+typedef struct xfer_s {
+    int refs;                 /* the Python Xfer and each outstanding request */
+    ucs_status_t status;      /* UCS_INPROGRESS until it ends */
+    Worker *w;
+    ucp_ep_h ep;
+    char *notif;              /* name, then message */
+    size_t name_len, notif_len;
+} xfer_t;
+
+typedef struct {
+    PyObject_HEAD
+    Worker *w;
+    xfer_t *x;
+} Xfer;
+
+static PyTypeObject WorkerType, EndpointType, RemoteKeyType, MemHandleType, XferType;
+
+static PyObject *raise_status(ucs_status_t st, const char *what)
+{
+    /* Error(message, status) */
+    PyObject *v = Py_BuildValue("(Ni)", PyUnicode_FromFormat("%s: %s", what, ucs_status_string(st)), (int)st);
+    if (v != NULL) {
+        PyErr_SetObject(UcpError, v);
+        Py_DECREF(v);
+    }
+    return NULL;
+}
+
+static int check_open(Worker *w)
+{
+    if (w->closed) {
+        PyErr_SetString(PyExc_RuntimeError, "the UCX worker is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static void lock(Worker *w)
+{
+    if (pthread_mutex_trylock(&w->mu) != 0) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&w->mu);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+static void unlock(Worker *w) { pthread_mutex_unlock(&w->mu); }
+
+static void poke(Worker *w)
+{
+    uint64_t one = 1;
+    ssize_t r = write(w->wakefd, &one, sizeof(one));
+    (void)r;
+}
+
+/* -- transfers' end -------------------------------------------------------- */
+
+static void xfer_decref(xfer_t *x)
+{
+    if (--x->refs == 0) {
+        free(x->notif);
+        free(x);
+    }
+}
+
+static void xfer_end(xfer_t *x, ucs_status_t st)
+{
+    if (x->status == UCS_INPROGRESS) {
+        x->status = st;
+        x->w->inflight--;
+    }
+}
+
+static void am_sent_cb(void *req, ucs_status_t st, void *user)
+{
+    xfer_t *x = user;
+    ucp_request_free(req);
+    xfer_end(x, st);
+    xfer_decref(x);
+}
+
+static ucs_status_t send_notif(Worker *w, ucp_ep_h ep, const char *buf, size_t name_len, size_t len,
+                               ucp_send_nbx_callback_t cb, void *user, void **req_out)
+{
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.flags = UCP_AM_SEND_FLAG_EAGER; /* whole message in the receiver's callback: no rendezvous */
+    p.cb.send = cb;
+    p.user_data = user;
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, AM_NOTIF, buf, name_len, buf + name_len, len - name_len, &p);
+    *req_out = NULL;
+    if (UCS_PTR_IS_ERR(r))
+        return UCS_PTR_STATUS(r);
+    if (r == NULL)
+        return UCS_OK;
+    *req_out = r;
+    return UCS_INPROGRESS;
+}
+
+/* After the flush: every row is complete, so now the notification. */
+static void flushed(xfer_t *x, ucs_status_t st)
+{
+    if (x->status != UCS_INPROGRESS)
+        return; /* cancelled or timed out meanwhile */
+    if (st != UCS_OK || x->notif == NULL) {
+        xfer_end(x, st);
+        return;
+    }
+    void *req;
+    x->refs++;
+    st = send_notif(x->w, x->ep, x->notif, x->name_len, x->notif_len, am_sent_cb, x, &req);
+    if (st != UCS_INPROGRESS) {
+        x->refs--;
+        xfer_end(x, st);
+    }
+}
+
+static void flush_cb(void *req, ucs_status_t st, void *user)
+{
+    xfer_t *x = user;
+    ucp_request_free(req);
+    flushed(x, st);
+    xfer_decref(x);
+}
+
+/* -- active messages and endpoint errors ------------------------------------ */
+
+static ucs_status_t am_notif_cb(void *arg, const void *header, size_t header_len, void *data, size_t len,
+                                const ucp_am_recv_param_t *param)
+{
+    Worker *w = arg;
+    /* a rendezvous message (not sent by kvt) is dropped without fetching its data */
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || header_len == 0 || header_len > MAX_NAME ||
+        len > w->max_notif || w->queued >= w->max_queue || w->queued_bytes + len > w->max_queue_bytes) {
+        w->dropped++;
+        return UCS_OK;
+    }
+    notif_t *n = malloc(sizeof(*n) + header_len + len);
+    if (n == NULL) {
+        w->dropped++;
+        return UCS_OK;
+    }
+    n->next = NULL;
+    n->name_len = header_len;
+    n->len = len;
+    memcpy(n->data, header, header_len);
+    if (len)
+        memcpy(n->data + header_len, data, len);
+    if (w->tail)
+        w->tail->next = n;
+    else
+        w->head = n;
+    w->tail = n;
+    w->queued++;
+    w->queued_bytes += len;
+    return UCS_OK;
+}
+
+static void ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t st)
+{
+    ep_state_t *s = arg;
+    (void)ep;
+    if (s->status == UCS_OK)
+        s->status = st;
+}
+
+/* -- the progress thread ----------------------------------------------------- */
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+#define SPIN_S 50e-6 /* keep progressing this long after the last event */
+
+static void *progress_main(void *arg)
+{
+    Worker *w = arg;
+    double last = now_s();
+    pthread_mutex_lock(&w->mu);
+    while (!w->stop) {
+        int got = 0;
+        while (ucp_worker_progress(w->worker))
+            got = 1;
+        double t = now_s();
+        if (got)
+            last = t;
+        if (t - last < SPIN_S) {
+            pthread_mutex_unlock(&w->mu);
+            pthread_mutex_lock(&w->mu);
+            continue;
+        }
+        ucs_status_t st = ucp_worker_arm(w->worker);
+        if (st == UCS_ERR_BUSY)
+            continue;
+        /* transfers in flight: wake now and then even if a transport has no events */
+        int timeout_ms = w->inflight > 0 ? 1 : 100;
+        pthread_mutex_unlock(&w->mu);
+        struct epoll_event ev[16];
+        int n = epoll_wait(w->epfd, ev, 16, timeout_ms);
+        pthread_mutex_lock(&w->mu);
+        for (int i = 0; i < n; i++) {
+            if (ev[i].data.ptr == &w->wakefd) {
+                uint64_t v;
+                ssize_t r = read(w->wakefd, &v, sizeof(v));
+                (void)r;
+            } else if (ev[i].data.ptr != &w->efd) { /* a watched peer process exited */
+                ep_state_t *s = ev[i].data.ptr;
+                if (s->status == UCS_OK)
+                    s->status = UCS_ERR_CONNECTION_RESET;
+                epoll_ctl(w->epfd, EPOLL_CTL_DEL, s->pidfd, NULL);
+            }
+        }
+        last = now_s();
+    }
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+/* -- Worker ---------------------------------------------------------------- */
+
+static void worker_free_ucx(Worker *w)
+{
+    if (w->thread_started) {
+        w->stop = 1;
+        poke(w);
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(w->thread, NULL);
+        Py_END_ALLOW_THREADS
+        w->thread_started = 0;
+    }
+    if (w->worker) {
+        ucp_worker_destroy(w->worker);
+        w->worker = NULL;
+    }
+    if (w->ctx) {
+        ucp_cleanup(w->ctx);
+        w->ctx = NULL;
+    }
+    if (w->epfd >= 0)
+        close(w->epfd);
+    if (w->wakefd >= 0)
+        close(w->wakefd);
+    w->epfd = w->wakefd = -1;
+    while (w->head) {
+        notif_t *n = w->head;
+        w->head = n->next;
+        free(n);
+    }
+    w->tail = NULL;
+    w->queued = w->queued_bytes = 0;
+    w->closed = 1;
+}
+
+static int Worker_init(Worker *w, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"name", "config", "max_notif", "max_queue", "max_queue_bytes", NULL};
+    const char *name;
+    Py_ssize_t name_len;
+    PyObject *config;
+    Py_ssize_t max_notif, max_queue, max_queue_bytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y#O!nnn", kwlist, &name, &name_len, &PyDict_Type, &config,
+                                     &max_notif, &max_queue, &max_queue_bytes))
+        return -1;
+    if (w->ctx != NULL || w->closed) {
+        PyErr_SetString(PyExc_RuntimeError, "Worker initialised twice");
+        return -1;
+    }
+    if (name_len < 1 || name_len > MAX_NAME || max_notif < 0 || max_queue < 0 || max_queue_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad worker name or limits");
+        return -1;
+    }
+    w->epfd = w->wakefd = w->efd = -1;
+    pthread_mutex_init(&w->mu, NULL);
+    w->name = PyMem_Malloc(name_len);
+    if (w->name == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(w->name, name, name_len);
+    w->name_len = name_len;
+    w->max_notif = max_notif;
+    w->max_queue = max_queue;
+    w->max_queue_bytes = max_queue_bytes;
+
+    ucp_config_t *cfg;
+    ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
+    if (st != UCS_OK) {
+        raise_status(st, "reading the UCX configuration");
+        return -1;
+    }
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(config, &pos, &k, &v)) {
+        const char *ks = PyUnicode_AsUTF8(k), *vs = ks ? PyUnicode_AsUTF8(v) : NULL;
+        if (vs == NULL) {
+            ucp_config_release(cfg);
+            return -1;
+        }
+        st = ucp_config_modify(cfg, ks, vs);
+        if (st != UCS_OK) {
+            ucp_config_release(cfg);
+            PyObject *what = PyUnicode_FromFormat("UCX setting %s=%s", ks, vs);
+            raise_status(st, what ? PyUnicode_AsUTF8(what) : "UCX setting");
+            Py_XDECREF(what);
+            return -1;
+        }
+    }
+    ucp_params_t pp;
+    memset(&pp, 0, sizeof(pp));
+    pp.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    pp.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    pp.mt_workers_shared = 0;
+    st = ucp_init(&pp, cfg, &w->ctx);
+    ucp_config_release(cfg);
+    if (st != UCS_OK) {
+        w->ctx = NULL;
+        raise_status(st, "creating the UCP context");
+        return -1;
+    }
+    ucp_worker_params_t wp;
+    memset(&wp, 0, sizeof(wp));
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    st = ucp_worker_create(w->ctx, &wp, &w->worker);
+    if (st != UCS_OK) {
+        w->worker = NULL;
+        raise_status(st, "creating the UCP worker");
+        return -1;
+    }
+    ucp_am_handler_param_t ap;
+    memset(&ap, 0, sizeof(ap));
+    ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                    UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    ap.id = AM_NOTIF;
+    ap.cb = am_notif_cb;
+    ap.arg = w;
+    ap.flags = UCP_AM_FLAG_WHOLE_MSG;
+    if ((st = ucp_worker_set_am_recv_handler(w->worker, &ap)) != UCS_OK ||
+        (st = ucp_worker_get_efd(w->worker, &w->efd)) != UCS_OK) {
+        raise_status(st, "setting up the UCP worker");
+        return -1;
+    }
+    w->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    w->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (w->wakefd < 0 || w->epfd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    struct epoll_event ev = {.events = EPOLLIN};
+    ev.data.ptr = &w->efd;
+    epoll_ctl(w->epfd, EPOLL_CTL_ADD, w->efd, &ev);
+    ev.data.ptr = &w->wakefd;
+    epoll_ctl(w->epfd, EPOLL_CTL_ADD, w->wakefd, &ev);
+    if (pthread_create(&w->thread, NULL, progress_main, w) != 0) {
+        PyErr_SetString(PyExc_OSError, "cannot start the UCX progress thread");
+        return -1;
+    }
+    w->thread_started = 1;
+    return 0;
+}
+
+static void Worker_dealloc(Worker *w)
+{
+    if (!w->closed)
+        worker_free_ucx(w);
+    PyMem_Free(w->name);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+static PyObject *Worker_close(Worker *w, PyObject *noargs)
+{
+    if (!w->closed)
+        worker_free_ucx(w);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Worker_address(Worker *w, PyObject *noargs)
+{
+    if (check_open(w))
+        return NULL;
+    ucp_address_t *a;
+    size_t n;
+    lock(w);
+    ucs_status_t st = ucp_worker_get_address(w->worker, &a, &n);
+    unlock(w);
+    if (st != UCS_OK)
+        return raise_status(st, "getting the worker address");
+    PyObject *r = PyBytes_FromStringAndSize((const char *)a, n);
+    lock(w);
+    ucp_worker_release_address(w->worker, a);
+    unlock(w);
+    return r;
+}
+
+static PyObject *Worker_mem_map(Worker *w, PyObject *args)
+{
+    unsigned long long addr, len;
+    if (!PyArg_ParseTuple(args, "KK", &addr, &len) || check_open(w))
+        return NULL;
+    if (len == 0 || addr + len < addr) {
+        PyErr_SetString(PyExc_ValueError, "memory range is empty or wraps");
+        return NULL;
+    }
+    ucp_mem_map_params_t mp;
+    memset(&mp, 0, sizeof(mp));
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address = (void *)(uintptr_t)addr;
+    mp.length = len;
+    ucp_mem_h memh;
+    void *rkey;
+    size_t rkey_len;
+    lock(w);
+    ucs_status_t st = ucp_mem_map(w->ctx, &mp, &memh);
+    if (st == UCS_OK) {
+        st = ucp_rkey_pack(w->ctx, memh, &rkey, &rkey_len);
+        if (st != UCS_OK)
+            ucp_mem_unmap(w->ctx, memh);
+    }
+    unlock(w);
+    if (st != UCS_OK)
+        return raise_status(st, "registering memory with UCX");
+    PyObject *packed = PyBytes_FromStringAndSize(rkey, rkey_len);
+    ucp_rkey_buffer_release(rkey);
+    MemHandle *m = PyObject_New(MemHandle, &MemHandleType);
+    if (m == NULL || packed == NULL) {
+        Py_XDECREF(packed);
+        lock(w);
+        ucp_mem_unmap(w->ctx, memh);
+        unlock(w);
+        Py_XDECREF(m);
+        return NULL;
+    }
+    Py_INCREF(w);
+    m->w = w;
+    m->memh = memh;
+    return Py_BuildValue("NN", (PyObject *)m, packed);
+}
+
+static PyObject *Worker_connect(Worker *w, PyObject *args)
+{
+    const char *addr;
+    Py_ssize_t n;
+    int peer_mode;
+    if (!PyArg_ParseTuple(args, "y#p", &addr, &n, &peer_mode) || check_open(w))
+        return NULL;
+    /* UCX parses the address without being told its length: refuse anything
+       that is not one of its own packed addresses before handing it over */
+    ep_state_t *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return PyErr_NoMemory();
+    s->pidfd = -1;
+    ucp_ep_params_t ep;
+    memset(&ep, 0, sizeof(ep));
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = (const ucp_address_t *)addr;
+    ep.err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    ep.err_handler.cb = ep_error_cb;
+    ep.err_handler.arg = s;
+    ucp_ep_h h;
+    lock(w);
+    ucs_status_t st = ucp_ep_create(w->worker, &ep, &h);
+    unlock(w);
+    if (st != UCS_OK) {
+        free(s);
+        return raise_status(st, "connecting to the peer's worker");
+    }
+    Endpoint *e = PyObject_New(Endpoint, &EndpointType);
+    if (e == NULL) {
+        s->closing = 1; /* leaked endpoint: closed with the worker */
+        return NULL;
+    }
+    Py_INCREF(w);
+    e->w = w;
+    e->ep = h;
+    e->st = s;
+    e->peer_mode = peer_mode;
+    return (PyObject *)e;
+}
+
+static PyObject *Worker_take_notifs(Worker *w, PyObject *noargs)
+{
+    if (check_open(w))
+        return NULL;
+    lock(w);
+    notif_t *n = w->head;
+    w->head = w->tail = NULL;
+    w->queued = w->queued_bytes = 0;
+    unlock(w);
+    PyObject *out = PyList_New(0);
+    while (n != NULL) {
+        notif_t *next = n->next;
+        if (out != NULL) {
+            PyObject *t = Py_BuildValue("y#y#", n->data, (Py_ssize_t)n->name_len, n->data + n->name_len,
+                                        (Py_ssize_t)n->len);
+            if (t == NULL || PyList_Append(out, t) < 0)
+                Py_CLEAR(out);
+            Py_XDECREF(t);
+        }
+        free(n);
+        n = next;
+    }
+    return out;
+}
+
+static PyObject *Worker_dropped(Worker *w, PyObject *noargs) { return PyLong_FromSize_t(w->dropped); }
+
+static PyObject *Worker_progress(Worker *w, PyObject *noargs)
+{
+    if (check_open(w))
+        return NULL;
+    lock(w);
+    while (ucp_worker_progress(w->worker))
+        ;
+    unlock(w);
+    Py_RETURN_NONE;
+}
+
+/* post(op, ep, local, remote, lengths, rkey_index, rkeys, notif) -> Xfer
+   local/remote/lengths: uint64 buffers of n items; rkey_index: uint32 buffer of
+   n items into the rkeys sequence (RemoteKeys of this endpoint); op 0 = GET, 1 = PUT. */
+static PyObject *Worker_post(Worker *w, PyObject *args)
+{
+    int op;
+    Endpoint *e;
+    Py_buffer lb, rb, nb, kb;
+    PyObject *rkeys, *notif;
+    if (!PyArg_ParseTuple(args, "iO!y*y*y*y*OO", &op, &EndpointType, &e, &lb, &rb, &nb, &kb, &rkeys, &notif))
+        return NULL;
+    PyObject *result = NULL, *seq = NULL;
+    ucp_rkey_h *keys = NULL;
+    xfer_t *x = NULL;
+    size_t n = lb.len / 8;
+    if (check_open(w))
+        goto out;
+    if (e->w != w || e->ep == NULL) {
+        PyErr_SetString(PyExc_ValueError, "endpoint is closed or belongs to another worker");
+        goto out;
+    }
+    if ((op != 0 && op != 1) || lb.len % 8 || rb.len != lb.len || nb.len != lb.len || kb.len != (Py_ssize_t)(n * 4)) {
+        PyErr_SetString(PyExc_ValueError, "post: arrays must be n uint64 (local, remote, lengths) and n uint32");
+        goto out;
+    }
+    if (notif != Py_None && (!PyBytes_Check(notif) || (size_t)PyBytes_GET_SIZE(notif) > w->max_notif)) {
+        PyErr_SetString(PyExc_ValueError, "notif must be bytes within the notification limit");
+        goto out;
+    }
+    seq = PySequence_Fast(rkeys, "rkeys must be a sequence of RemoteKey");
+    if (seq == NULL)
+        goto out;
+    Py_ssize_t nk = PySequence_Fast_GET_SIZE(seq);
+    keys = PyMem_Malloc(sizeof(*keys) * (nk ? nk : 1));
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyObject_TypeCheck(o, &RemoteKeyType) || ((RemoteKey *)o)->ep != e || ((RemoteKey *)o)->rkey == NULL) {
+            PyErr_SetString(PyExc_ValueError, "rkeys must be live RemoteKeys of this endpoint");
+            goto out;
+        }
+        keys[i] = ((RemoteKey *)o)->rkey;
+    }
+    const uint64_t *la = lb.buf, *ra = rb.buf, *len = nb.buf;
+    const uint32_t *ki = kb.buf;
+    for (size_t i = 0; i < n; i++) {
+        if (ki[i] >= (uint64_t)nk) {
+            PyErr_SetString(PyExc_ValueError, "rkey index out of range");
+            goto out;
+        }
+    }
+    x = calloc(1, sizeof(*x));
+    if (x == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    x->refs = 1;
+    x->status = UCS_INPROGRESS;
+    x->w = w;
+    x->ep = e->ep;
+    if (notif != Py_None) {
+        x->name_len = w->name_len;
+        x->notif_len = w->name_len + PyBytes_GET_SIZE(notif);
+        x->notif = malloc(x->notif_len);
+        if (x->notif == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        memcpy(x->notif, w->name, w->name_len);
+        memcpy(x->notif + w->name_len, PyBytes_AS_STRING(notif), PyBytes_GET_SIZE(notif));
+    }
+    Xfer *xo = PyObject_New(Xfer, &XferType);
+    if (xo == NULL)
+        goto out;
+    Py_INCREF(w);
+    xo->w = w;
+    xo->x = x;
+    ucs_status_t st = e->st->status;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&w->mu);
+    w->inflight++;
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    for (size_t i = 0; i < n && st == UCS_OK; i++) {
+        if (len[i] == 0)
+            continue;
+        void *buf = (void *)(uintptr_t)la[i];
+        ucs_status_ptr_t r = op ? ucp_put_nbx(e->ep, buf, len[i], ra[i], keys[ki[i]], &p)
+                                : ucp_get_nbx(e->ep, buf, len[i], ra[i], keys[ki[i]], &p);
+        if (UCS_PTR_IS_ERR(r))
+            st = UCS_PTR_STATUS(r);
+        else if (r != NULL)
+            ucp_request_free(r); /* the flush below reports its completion */
+    }
+    if (st == UCS_OK) {
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        p.cb.send = flush_cb;
+        p.user_data = x;
+        x->refs++;
+        ucs_status_ptr_t r = ucp_ep_flush_nbx(e->ep, &p);
+        if (r == NULL || UCS_PTR_IS_ERR(r)) {
+            x->refs--;
+            flushed(x, UCS_PTR_STATUS(r));
+        }
+    } else {
+        xfer_end(x, st);
+    }
+    pthread_mutex_unlock(&w->mu);
+    Py_END_ALLOW_THREADS
+    poke(w);
+    x = NULL;
+    result = (PyObject *)xo;
+out:
+    if (x != NULL) {
+        free(x->notif);
+        free(x);
+    }
+    PyMem_Free(keys);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&nb);
+    PyBuffer_Release(&kb);
+    return result;
+}
+
+static PyMethodDef Worker_methods[] = {
+    {"close", (PyCFunction)Worker_close, METH_NOARGS, "Stop the progress thread, free UCX. Idempotent."},
+    {"address", (PyCFunction)Worker_address, METH_NOARGS, "This worker's packed UCX address."},
+    {"mem_map", (PyCFunction)Worker_mem_map, METH_VARARGS, "mem_map(addr, len) -> (MemHandle, packed rkey)"},
+    {"connect", (PyCFunction)Worker_connect, METH_VARARGS, "connect(address, peer_mode) -> Endpoint"},
+    {"post", (PyCFunction)Worker_post, METH_VARARGS,
+     "post(op, ep, local, remote, lengths, rkey_index, rkeys, notif) -> Xfer (op 0 GET, 1 PUT)"},
+    {"take_notifs", (PyCFunction)Worker_take_notifs, METH_NOARGS, "[(sender, message)] received so far"},
+    {"dropped", (PyCFunction)Worker_dropped, METH_NOARGS, "notifications dropped (over a limit)"},
+    {"progress", (PyCFunction)Worker_progress, METH_NOARGS, "progress the worker until idle"},
+    {NULL}};
+
+/* -- MemHandle -------------------------------------------------------------- */
+
+static PyObject *MemHandle_unmap(MemHandle *m, PyObject *noargs)
+{
+    if (m->memh != NULL && !m->w->closed) {
+        lock(m->w);
+        ucp_mem_unmap(m->w->ctx, m->memh);
+        unlock(m->w);
+    }
+    m->memh = NULL;
+    Py_RETURN_NONE;
+}
+
+static void MemHandle_dealloc(MemHandle *m)
+{
+    PyObject *r = MemHandle_unmap(m, NULL);
+    Py_XDECREF(r);
+    Py_DECREF(m->w);
+    PyObject_Free(m);
+}
+
+static PyMethodDef MemHandle_methods[] = {
+    {"unmap", (PyCFunction)MemHandle_unmap, METH_NOARGS, "Unregister (idempotent)."}, {NULL}};
+
+/* -- Endpoint and RemoteKey ------------------------------------------------ */
+
+static void ep_close_cb(void *req, ucs_status_t st, void *user)
+{
+    (void)st;
+    ucp_request_free(req);
+    free(user);
+}
+
+static void endpoint_close(Endpoint *e)
+{
+    if (e->ep == NULL)
+        return;
+    Worker *w = e->w;
+    if (!w->closed) {
+        ucp_request_param_t p;
+        memset(&p, 0, sizeof(p));
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        /* without peer error handling UCX may not force-close; flush-close then */
+        p.flags = e->peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+        p.cb.send = ep_close_cb;
+        p.user_data = e->st;
+        int watched = e->st->pidfd >= 0;
+        lock(w);
+        e->st->closing = 1;
+        if (watched) {
+            epoll_ctl(w->epfd, EPOLL_CTL_DEL, e->st->pidfd, NULL);
+            close(e->st->pidfd);
+            e->st->pidfd = -1;
+            p.user_data = NULL; /* the progress thread may hold an event naming this state: never freed */
+        }
+        ucs_status_ptr_t r = ucp_ep_close_nbx(e->ep, &p);
+        unlock(w);
+        if ((r == NULL || UCS_PTR_IS_ERR(r)) && !watched)
+            free(e->st);
+        poke(w);
+    } /* else the worker took the endpoint with it; its state leaks (tiny) */
+    e->ep = NULL;
+    e->st = NULL;
+}
+
+static PyObject *Endpoint_close(Endpoint *e, PyObject *noargs)
+{
+    endpoint_close(e);
+    Py_RETURN_NONE;
+}
+
+static void Endpoint_dealloc(Endpoint *e)
+{
+    endpoint_close(e);
+    Py_DECREF(e->w);
+    PyObject_Free(e);
+}
+
+static PyObject *Endpoint_error(Endpoint *e, PyObject *noargs)
+{
+    if (e->st == NULL)
+        return PyLong_FromLong(UCS_ERR_CANCELED);
+    return PyLong_FromLong(e->st->status);
+}
+
+static PyObject *Endpoint_watch(Endpoint *e, PyObject *args)
+{
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd) || check_open(e->w))
+        return NULL;
+    if (e->ep == NULL || e->st->pidfd >= 0) {
+        PyErr_SetString(PyExc_ValueError, "endpoint closed or already watched");
+        return NULL;
+    }
+    Worker *w = e->w;
+    struct epoll_event ev = {.events = EPOLLIN};
+    ev.data.ptr = e->st;
+    lock(w);
+    int rc = epoll_ctl(w->epfd, EPOLL_CTL_ADD, fd, &ev);
+    if (rc == 0)
+        e->st->pidfd = fd;
+    unlock(w);
+    if (rc != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    poke(w);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Endpoint_unpack(Endpoint *e, PyObject *args)
+{
+    const char *buf;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "y#", &buf, &n) || check_open(e->w))
+        return NULL;
+    if (e->ep == NULL) {
+        PyErr_SetString(PyExc_ValueError, "endpoint is closed");
+        return NULL;
+    }
+    ucp_rkey_h rk;
+    lock(e->w);
+    ucs_status_t st = ucp_ep_rkey_unpack(e->ep, buf, &rk);
+    unlock(e->w);
+    if (st != UCS_OK)
+        return raise_status(st, "unpacking a remote key");
+    RemoteKey *k = PyObject_New(RemoteKey, &RemoteKeyType);
+    if (k == NULL) {
+        lock(e->w);
+        ucp_rkey_destroy(rk);
+        unlock(e->w);
+        return NULL;
+    }
+    Py_INCREF(e);
+    k->ep = e;
+    k->rkey = rk;
+    return (PyObject *)k;
+}
+
+static void notify_cb(void *req, ucs_status_t st, void *user)
+{
+    (void)st;
+    ucp_request_free(req);
+    free(user);
+}
+
+static PyObject *Endpoint_notify(Endpoint *e, PyObject *args)
+{
+    const char *msg;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "y#", &msg, &n) || check_open(e->w))
+        return NULL;
+    Worker *w = e->w;
+    if (e->ep == NULL || (size_t)n > w->max_notif) {
+        PyErr_SetString(PyExc_ValueError, "endpoint closed or message over the notification limit");
+        return NULL;
+    }
+    char *buf = malloc(w->name_len + n);
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    memcpy(buf, w->name, w->name_len);
+    memcpy(buf + w->name_len, msg, n);
+    void *req;
+    lock(w);
+    ucs_status_t st = e->st->status;
+    if (st == UCS_OK)
+        st = send_notif(w, e->ep, buf, w->name_len, w->name_len + n, notify_cb, buf, &req);
+    unlock(w);
+    poke(w);
+    if (st != UCS_INPROGRESS)
+        free(buf);
+    if (st != UCS_OK && st != UCS_INPROGRESS)
+        return raise_status(st, "sending a notification");
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Endpoint_methods[] = {
+    {"close", (PyCFunction)Endpoint_close, METH_NOARGS, "Close (force-close with peer error handling)."},
+    {"error", (PyCFunction)Endpoint_error, METH_NOARGS, "UCX status of the endpoint (0 while healthy)."},
+    {"watch", (PyCFunction)Endpoint_watch, METH_VARARGS,
+     "watch(pidfd): the endpoint fails when that process exits (takes the fd)"},
+    {"unpack", (PyCFunction)Endpoint_unpack, METH_VARARGS, "unpack(packed rkey) -> RemoteKey"},
+    {"notify", (PyCFunction)Endpoint_notify, METH_VARARGS, "notify(msg): an active message to the peer"},
+    {NULL}};
+
+static PyObject *RemoteKey_destroy(RemoteKey *k, PyObject *noargs)
+{
+    if (k->rkey != NULL && k->ep->ep != NULL && !k->ep->w->closed) {
+        lock(k->ep->w);
+        ucp_rkey_destroy(k->rkey);
+        unlock(k->ep->w);
+    }
+    k->rkey = NULL;
+    Py_RETURN_NONE;
+}
+
+static void RemoteKey_dealloc(RemoteKey *k)
+{
+    PyObject *r = RemoteKey_destroy(k, NULL);
+    Py_XDECREF(r);
+    Py_DECREF(k->ep);
+    PyObject_Free(k);
+}
+
+static PyMethodDef RemoteKey_methods[] = {
+    {"destroy", (PyCFunction)RemoteKey_destroy, METH_NOARGS, "Free the key (idempotent)."}, {NULL}};
+
+/* -- Xfer ------------------------------------------------------------------ */
+
+static PyObject *Xfer_status(Xfer *o, PyObject *noargs)
+{
+    Worker *w = o->w;
+    if (o->x == NULL)
+        return PyLong_FromLong(UCS_ERR_CANCELED);
+    if (o->x->status == UCS_INPROGRESS && !w->closed) {
+        /* the poller completes its own transfer instead of waiting for a wake-up */
+        if (pthread_mutex_trylock(&w->mu) == 0) {
+            ucp_worker_progress(w->worker);
+            unlock(w);
+        }
+    }
+    return PyLong_FromLong(o->x->status);
+}
+
+static PyObject *Xfer_cancel(Xfer *o, PyObject *args)
+{
+    int st;
+    if (!PyArg_ParseTuple(args, "i", &st))
+        return NULL;
+    if (o->x != NULL && !o->w->closed) {
+        lock(o->w);
+        xfer_end(o->x, st < 0 ? (ucs_status_t)st : UCS_ERR_CANCELED);
+        unlock(o->w);
+    }
+    Py_RETURN_NONE;
+}
+
+static void Xfer_dealloc(Xfer *o)
+{
+    if (o->x != NULL) {
+        if (!o->w->closed) {
+            lock(o->w);
+            xfer_end(o->x, UCS_ERR_CANCELED);
+            xfer_decref(o->x);
+            unlock(o->w);
+        } /* else UCX may still hold it: leak rather than risk a late callback */
+        o->x = NULL;
+    }
+    Py_DECREF(o->w);
+    PyObject_Free(o);
+}
+
+static PyMethodDef Xfer_methods[] = {
+    {"status", (PyCFunction)Xfer_status, METH_NOARGS, "1 (UCS_INPROGRESS) while running, 0 done, <0 a UCX error"},
+    {"cancel", (PyCFunction)Xfer_cancel, METH_VARARGS, "cancel(status): end it now with that error"},
+    {NULL}};
+
+/* -- module ---------------------------------------------------------------- */
+
+static PyObject *status_string(PyObject *mod, PyObject *arg)
+{
+    long st = PyLong_AsLong(arg);
+    if (st == -1 && PyErr_Occurred())
+        return NULL;
+    return PyUnicode_FromString(ucs_status_string((ucs_status_t)st));
+}
+
+static PyObject *version(PyObject *mod, PyObject *noargs)
+{
+    return PyUnicode_FromString(ucp_get_version_string());
+}
+
+static PyMethodDef module_methods[] = {
+    {"status_string", status_string, METH_O, "UCX's text for a status code"},
+    {"version", version, METH_NOARGS, "the UCX library's version"},
+    {NULL}};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_ucp", "kvt's binding to UCP RMA", -1,
+                                       module_methods};
+
+#define TYPE(T, doc, ...)                                                                                         \
+    static PyTypeObject T##Type = {PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvt_ucx._ucp." #T,                   \
+                                   .tp_basicsize = sizeof(T), .tp_flags = Py_TPFLAGS_DEFAULT, .tp_doc = doc,      \
+                                   .tp_methods = T##_methods, .tp_dealloc = (destructor)T##_dealloc, __VA_ARGS__};
+
+TYPE(Worker, "Worker(name, config, max_notif, max_queue, max_queue_bytes): UCP context, worker, progress thread",
+     .tp_init = (initproc)Worker_init, .tp_new = PyType_GenericNew)
+TYPE(Endpoint, "A connection to a peer's worker (from Worker.connect).", )
+TYPE(RemoteKey, "A peer's unpacked remote key (from Endpoint.unpack).", )
+TYPE(MemHandle, "Registered memory (from Worker.mem_map).", )
+TYPE(Xfer, "One posted transfer (from Worker.post).", )
+
+PyMODINIT_FUNC PyInit__ucp(void)
+{
+    PyTypeObject *types[] = {&WorkerType, &EndpointType, &RemoteKeyType, &MemHandleType, &XferType};
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL)
+        return NULL;
+    for (size_t i = 0; i < sizeof(types) / sizeof(*types); i++) {
+        if (PyType_Ready(types[i]) < 0)
+            return NULL;
+        Py_INCREF(types[i]);
+        PyModule_AddObject(m, types[i]->tp_name + strlen("kvt_ucx._ucp."), (PyObject *)types[i]);
+    }
+    UcpError = PyErr_NewException("kvt_ucx._ucp.Error", NULL, NULL);
+    Py_INCREF(UcpError);
+    PyModule_AddObject(m, "Error", UcpError);
+    PyModule_AddIntConstant(m, "INPROGRESS", UCS_INPROGRESS);
+    PyModule_AddIntConstant(m, "ERR_TIMED_OUT", UCS_ERR_TIMED_OUT);
+    PyModule_AddIntConstant(m, "ERR_CANCELED", UCS_ERR_CANCELED);
+    PyModule_AddIntConstant(m, "ERR_CONNECTION_RESET", UCS_ERR_CONNECTION_RESET);
+    return m;
+}
