@@ -611,35 +611,112 @@ static PyObject *Worker_progress(Worker *w, PyObject *noargs)
     Py_RETURN_NONE;
 }
 
-/* post(op, ep, local, remote, lengths, rkey_index, rkeys, notif) -> Xfer
-   local/remote/lengths: uint64 buffers of n items; rkey_index: uint32 buffer of
-   n items into the rkeys sequence (RemoteKeys of this endpoint); op 0 = GET, 1 = PUT. */
+/* An index argument: None (every row) or a 1-D buffer of int64 or int32. */
+typedef struct {
+    Py_buffer b;
+    int have, wide;
+    Py_ssize_t n;
+} index_t;
+
+static int get_index(PyObject *o, index_t *ix, Py_ssize_t rows, const char *what)
+{
+    memset(ix, 0, sizeof(*ix));
+    if (o == Py_None) {
+        ix->n = rows;
+        return 0;
+    }
+    if (PyObject_GetBuffer(o, &ix->b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    ix->have = 1;
+    const char *f = ix->b.format ? ix->b.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (ix->b.ndim > 1 || (ix->b.itemsize != 8 && ix->b.itemsize != 4) || (f[0] != 'q' && f[0] != 'l' && f[0] != 'i')) {
+        PyErr_Format(PyExc_ValueError, "%s must be a 1-D int64 or int32 array", what);
+        return -1;
+    }
+    ix->wide = ix->b.itemsize == 8;
+    ix->n = ix->b.len / ix->b.itemsize;
+    return 0;
+}
+
+static inline int64_t index_at(const index_t *ix, Py_ssize_t i)
+{
+    if (!ix->have)
+        return i;
+    return ix->wide ? ((const int64_t *)ix->b.buf)[i] : ((const int32_t *)ix->b.buf)[i];
+}
+
+static void release_index(index_t *ix)
+{
+    if (ix->have)
+        PyBuffer_Release(&ix->b);
+}
+
+/* Check the pairs (indices in range, equal lengths) before anything moves.
+   Returns the number of runs after merging pairs that continue each other on
+   both sides under one key, or -1 with an exception set. */
+static Py_ssize_t check_pairs(const uint64_t *lt, Py_ssize_t nl, const index_t *li, const uint64_t *rt, Py_ssize_t nr,
+                              const index_t *ri, Py_ssize_t nk)
+{
+    if (li->n != ri->n) {
+        PyErr_Format(PyExc_ValueError, "local and remote index lists differ in length (%zd vs %zd)", li->n, ri->n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < li->n; i++) {
+        int64_t a = index_at(li, i), b = index_at(ri, i);
+        if (a < 0 || a >= nl || b < 0 || b >= nr) {
+            PyErr_Format(PyExc_ValueError, "pair %zd: index out of range (local %lld of %zd, remote %lld of %zd)", i,
+                         (long long)a, nl, (long long)b, nr);
+            return -1;
+        }
+        if (lt[2 * a + 1] != rt[3 * b + 1]) {
+            PyErr_Format(PyExc_ValueError, "pair %zd differs in length: local %llu bytes vs remote %llu bytes", i,
+                         (unsigned long long)lt[2 * a + 1], (unsigned long long)rt[3 * b + 1]);
+            return -1;
+        }
+        if (rt[3 * b + 2] >= (uint64_t)nk) {
+            PyErr_SetString(PyExc_ValueError, "remote key index out of range");
+            return -1;
+        }
+    }
+    return li->n;
+}
+
+/* post(op, ep, local_table, local_idx, remote_table, remote_idx, rkeys, notif) -> Xfer
+
+   local_table: (n, 2) uint64 rows (address, length); remote_table: (m, 3)
+   uint64 rows (address, length, key index into rkeys, RemoteKeys of ep).
+   The indices pick the pairs (None: every row).  op 0 = GET (READ), 1 = PUT. */
 static PyObject *Worker_post(Worker *w, PyObject *args)
 {
     int op;
     Endpoint *e;
-    Py_buffer lb, rb, nb, kb;
-    PyObject *rkeys, *notif;
-    if (!PyArg_ParseTuple(args, "iO!y*y*y*y*OO", &op, &EndpointType, &e, &lb, &rb, &nb, &kb, &rkeys, &notif))
+    Py_buffer lb, rb;
+    PyObject *lio, *rio, *rkeys, *notif;
+    if (!PyArg_ParseTuple(args, "iO!y*Oy*OOO", &op, &EndpointType, &e, &lb, &lio, &rb, &rio, &rkeys, &notif))
         return NULL;
     PyObject *result = NULL, *seq = NULL;
     ucp_rkey_h *keys = NULL;
     xfer_t *x = NULL;
-    size_t n = lb.len / 8;
+    index_t li = {0}, ri = {0};
+    Py_ssize_t nl = lb.len / 16, nr = rb.len / 24;
     if (check_open(w))
         goto out;
     if (e->w != w || e->ep == NULL) {
         PyErr_SetString(PyExc_ValueError, "endpoint is closed or belongs to another worker");
         goto out;
     }
-    if ((op != 0 && op != 1) || lb.len % 8 || rb.len != lb.len || nb.len != lb.len || kb.len != (Py_ssize_t)(n * 4)) {
-        PyErr_SetString(PyExc_ValueError, "post: arrays must be n uint64 (local, remote, lengths) and n uint32");
+    if ((op != 0 && op != 1) || lb.len % 16 || rb.len % 24) {
+        PyErr_SetString(PyExc_ValueError, "post: tables must be (n, 2) and (m, 3) uint64");
         goto out;
     }
     if (notif != Py_None && (!PyBytes_Check(notif) || (size_t)PyBytes_GET_SIZE(notif) > w->max_notif)) {
         PyErr_SetString(PyExc_ValueError, "notif must be bytes within the notification limit");
         goto out;
     }
+    if (get_index(lio, &li, nl, "local_idx") < 0 || get_index(rio, &ri, nr, "remote_idx") < 0)
+        goto out;
     seq = PySequence_Fast(rkeys, "rkeys must be a sequence of RemoteKey");
     if (seq == NULL)
         goto out;
@@ -651,20 +728,19 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < nk; i++) {
         PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+        if (o == Py_None) {
+            keys[i] = NULL;
+            continue;
+        }
         if (!PyObject_TypeCheck(o, &RemoteKeyType) || ((RemoteKey *)o)->ep != e || ((RemoteKey *)o)->rkey == NULL) {
             PyErr_SetString(PyExc_ValueError, "rkeys must be live RemoteKeys of this endpoint");
             goto out;
         }
         keys[i] = ((RemoteKey *)o)->rkey;
     }
-    const uint64_t *la = lb.buf, *ra = rb.buf, *len = nb.buf;
-    const uint32_t *ki = kb.buf;
-    for (size_t i = 0; i < n; i++) {
-        if (ki[i] >= (uint64_t)nk) {
-            PyErr_SetString(PyExc_ValueError, "rkey index out of range");
-            goto out;
-        }
-    }
+    const uint64_t *lt = lb.buf, *rt = rb.buf;
+    if (check_pairs(lt, nl, &li, rt, nr, &ri, nk) < 0)
+        goto out;
     x = calloc(1, sizeof(*x));
     if (x == NULL) {
         PyErr_NoMemory();
@@ -691,18 +767,36 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
     Py_INCREF(w);
     xo->w = w;
     xo->x = x;
+    Py_ssize_t n = li.n;
+    /* large requests let other Python threads run meanwhile; small ones keep the GIL (cheaper) */
+    PyThreadState *ts = n > 64 ? PyEval_SaveThread() : NULL;
+    if (ts != NULL)
+        pthread_mutex_lock(&w->mu);
+    else
+        lock(w);
     ucs_status_t st = e->st->status;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&w->mu);
     w->inflight++;
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
-    for (size_t i = 0; i < n && st == UCS_OK; i++) {
-        if (len[i] == 0)
+    Py_ssize_t i = 0;
+    while (i < n && st == UCS_OK) {
+        int64_t a = index_at(&li, i), b = index_at(&ri, i);
+        uint64_t laddr = lt[2 * a], raddr = rt[3 * b], len = lt[2 * a + 1], k = rt[3 * b + 2];
+        for (i++; i < n; i++) { /* extend the run while both sides continue under one key */
+            int64_t a2 = index_at(&li, i), b2 = index_at(&ri, i);
+            if (lt[2 * a2] != laddr + len || rt[3 * b2] != raddr + len || rt[3 * b2 + 2] != k)
+                break;
+            len += lt[2 * a2 + 1];
+        }
+        if (len == 0)
             continue;
-        void *buf = (void *)(uintptr_t)la[i];
-        ucs_status_ptr_t r = op ? ucp_put_nbx(e->ep, buf, len[i], ra[i], keys[ki[i]], &p)
-                                : ucp_get_nbx(e->ep, buf, len[i], ra[i], keys[ki[i]], &p);
+        if (keys[k] == NULL) {
+            st = UCS_ERR_INVALID_PARAM;
+            break;
+        }
+        void *buf = (void *)(uintptr_t)laddr;
+        ucs_status_ptr_t r = op ? ucp_put_nbx(e->ep, buf, len, raddr, keys[k], &p)
+                                : ucp_get_nbx(e->ep, buf, len, raddr, keys[k], &p);
         if (UCS_PTR_IS_ERR(r))
             st = UCS_PTR_STATUS(r);
         else if (r != NULL)
@@ -718,12 +812,18 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
             x->refs--;
             flushed(x, UCS_PTR_STATUS(r));
         }
+        /* small transfers often finish within a few progress calls: no thread hand-off */
+        for (int j = 0; j < 4 && x->status == UCS_INPROGRESS; j++)
+            ucp_worker_progress(w->worker);
     } else {
         xfer_end(x, st);
     }
+    int pending = x->status == UCS_INPROGRESS;
     pthread_mutex_unlock(&w->mu);
-    Py_END_ALLOW_THREADS
-    poke(w);
+    if (ts != NULL)
+        PyEval_RestoreThread(ts);
+    if (pending)
+        poke(w); /* the progress thread takes over */
     x = NULL;
     result = (PyObject *)xo;
 out:
@@ -731,12 +831,12 @@ out:
         free(x->notif);
         free(x);
     }
+    release_index(&li);
+    release_index(&ri);
     PyMem_Free(keys);
     Py_XDECREF(seq);
     PyBuffer_Release(&lb);
     PyBuffer_Release(&rb);
-    PyBuffer_Release(&nb);
-    PyBuffer_Release(&kb);
     return result;
 }
 
@@ -746,7 +846,7 @@ static PyMethodDef Worker_methods[] = {
     {"mem_map", (PyCFunction)Worker_mem_map, METH_VARARGS, "mem_map(addr, len) -> (MemHandle, packed rkey)"},
     {"connect", (PyCFunction)Worker_connect, METH_VARARGS, "connect(address, peer_mode) -> Endpoint"},
     {"post", (PyCFunction)Worker_post, METH_VARARGS,
-     "post(op, ep, local, remote, lengths, rkey_index, rkeys, notif) -> Xfer (op 0 GET, 1 PUT)"},
+     "post(op, ep, local_table, local_idx, remote_table, remote_idx, rkeys, notif) -> Xfer (op 0 GET, 1 PUT)"},
     {"take_notifs", (PyCFunction)Worker_take_notifs, METH_NOARGS, "[(sender, message)] received so far"},
     {"dropped", (PyCFunction)Worker_dropped, METH_NOARGS, "notifications dropped (over a limit)"},
     {"progress", (PyCFunction)Worker_progress, METH_NOARGS, "progress the worker until idle"},
@@ -966,10 +1066,9 @@ static PyObject *Xfer_status(Xfer *o, PyObject *noargs)
         return PyLong_FromLong(UCS_ERR_CANCELED);
     if (o->x->status == UCS_INPROGRESS && !w->closed) {
         /* the poller completes its own transfer instead of waiting for a wake-up */
-        if (pthread_mutex_trylock(&w->mu) == 0) {
-            ucp_worker_progress(w->worker);
-            unlock(w);
-        }
+        lock(w);
+        ucp_worker_progress(w->worker);
+        unlock(w);
     }
     return PyLong_FromLong(o->x->status);
 }

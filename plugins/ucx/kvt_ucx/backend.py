@@ -37,7 +37,7 @@ from kvt.errors import (ConfigError, InvalidArgument, PeerDisconnected, Transfer
                         TransferTimeout, WireError)
 from kvt.procs import host_id, start_time
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle,
-                       XferState, as_index)
+                       XferState)
 from kvt.wire import Message, decode, encode
 
 from . import native
@@ -76,7 +76,8 @@ class _Peer:
 class _Prep:
     peer: str | None
     descs: Descs
-    region: np.ndarray      # registration row of each descriptor (from locate)
+    local: np.ndarray       # (n, 2) uint64: address, length (this list as the local side)
+    remote: np.ndarray      # (n, 3) uint64: address, length, key index (as the remote side)
 
 
 @dataclass(eq=False)
@@ -107,20 +108,18 @@ def _ucx_config(options: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def _merge(lrows: np.ndarray, rrows: np.ndarray, key: np.ndarray):
-    """Merge consecutive pairs that continue each other on both sides under
-    one remote key: (local addresses, remote addresses, lengths, keys)."""
-    keep = lrows[:, 1] > 0
-    lrows, rrows, key = lrows[keep], rrows[keep], key[keep]
-    lens = lrows[:, 1]
-    if len(lens) < 2:
-        return lrows[:, 0], rrows[:, 0], lens, key
-    goes_on = ((lrows[:-1, 0] + lens[:-1] == lrows[1:, 0]) & (rrows[:-1, 0] + lens[:-1] == rrows[1:, 0])
-               & (key[:-1] == key[1:]))
-    if not goes_on.any():
-        return lrows[:, 0], rrows[:, 0], lens, key
-    heads = np.flatnonzero(np.concatenate(([True], ~goes_on)))
-    return lrows[heads, 0], rrows[heads, 0], np.add.reduceat(lens, heads), key[heads]
+def _index(idx: Any) -> Any:
+    """What the binding takes: None (every row) or a contiguous int64/int32 array."""
+    if idx is None or (isinstance(idx, np.ndarray) and idx.dtype in _INDEX_TYPES and idx.flags.c_contiguous):
+        return idx
+    arr = np.asarray(idx)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(f"indices must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, np.int64)
+
+
+_INDEX_TYPES = (np.dtype(np.int64), np.dtype(np.int32))
+_READ, _WRITE = Op.READ, Op.WRITE
 
 
 class UcxBackend(Backend):
@@ -299,29 +298,35 @@ class UcxBackend(Backend):
         else:
             regions, what = self._peer(peer).regions, f"descriptors of peer {peer!r}"
         region = descs.check_within(regions, what)
+        rows = descs.array
+        table = np.empty((len(rows), 3), np.uint64)
+        table[:, :2] = rows[:, :2]
+        table[:, 2] = region
         h = self._next_id()
-        self._preps[h] = _Prep(peer, descs, region)
+        self._preps[h] = _Prep(peer, descs, np.ascontiguousarray(table[:, :2]), table)
         return PrepHandle(h)
 
     def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
-        self._check_open()
-        op = self._check_op(op, notif)
+        # The hot path: one call into C, which checks the pairs (indices in
+        # range, equal lengths), merges runs and posts every row.
+        if self._closed:
+            self._check_open()
+        if notif is not None or (op is not _READ and op is not _WRITE):
+            op = self._check_op(op, notif)
+            notif = None if notif is None else bytes(notif)
         lp, rp = self._preps[local_prep], self._preps[remote_prep]
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
         peer = self._peer(rp.peer)
         if rp.peer is None and len(peer.keys) != len(self._regions.of(MemKind.DRAM)):
             raise InvalidArgument("registrations changed since this local prep; prep the descriptors again")
-        lrows, rrows = self._pair(lp.descs, local_idx, rp.descs, remote_idx)
-        key = rp.region[as_index(remote_idx, len(rp.descs), "remote_idx")].astype(np.uint32)
-        laddr, raddr, lens, key = _merge(lrows, rrows, key)
+        if lp.descs.kind is not rp.descs.kind:
+            raise InvalidArgument(f"local {lp.descs.kind.value} and remote {rp.descs.kind.value} descriptors")
         try:
-            nx = self._worker.post(int(op is Op.WRITE), peer.ep, np.ascontiguousarray(laddr, np.uint64),
-                                   np.ascontiguousarray(raddr, np.uint64), np.ascontiguousarray(lens, np.uint64),
-                                   np.ascontiguousarray(key, np.uint32), peer.keys,
-                                   None if notif is None else bytes(notif))
-        except ValueError as e:  # a key withdrawn by a newer add_remote or a closed endpoint
+            nx = self._worker.post(op is _WRITE, peer.ep, lp.local, _index(local_idx), rp.remote, _index(remote_idx),
+                                   peer.keys, notif)
+        except (ValueError, BufferError, TypeError) as e:
             raise InvalidArgument(f"cannot post this {op.value}: {e}") from None
         h = self._next_id()
         self._xfers[h] = _Xfer(op, peer, nx, time.monotonic() + self.timeout)
