@@ -813,7 +813,7 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
             flushed(x, UCS_PTR_STATUS(r));
         }
         /* small transfers often finish within a few progress calls: no thread hand-off */
-        for (int j = 0; j < 4 && x->status == UCS_INPROGRESS; j++)
+        for (int j = 0; j < 64 && x->status == UCS_INPROGRESS; j++)
             ucp_worker_progress(w->worker);
     } else {
         xfer_end(x, st);

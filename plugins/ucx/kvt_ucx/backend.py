@@ -217,7 +217,8 @@ class UcxBackend(Backend):
         except Exception as e:
             raise WireError(f"metadata of {md.name!r}: bad region rows: {e}") from None
         same_host = md.host == self._host
-        pidfd = self._pidfd(md) if same_host and watch else -1
+        # an agent in this same process cannot die on its own: nothing to watch
+        pidfd = self._pidfd(md) if same_host and watch and md.pid != self._pid else -1
         peer_mode = self._mode == "peer" or (self._mode == "auto" and not same_host)
         try:
             ep = self._worker.connect(md.address, peer_mode)
@@ -236,8 +237,6 @@ class UcxBackend(Backend):
 
     def _pidfd(self, md: UcxMetadata) -> int:
         """A pidfd of a same-host peer, after checking the pid is that peer's."""
-        if md.pid == self._pid:
-            raise WireError(f"metadata of {md.name!r} claims this process's own pid {md.pid}")
         if md.pid <= 0 or start_time(md.pid) != md.start:
             raise PeerDisconnected(f"peer {md.name!r} (pid {md.pid} on this host) is not running")
         try:

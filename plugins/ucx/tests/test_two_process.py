@@ -11,7 +11,7 @@ import pytest
 from conftest import TIMEOUT
 from kvt.errors import InvalidDescriptor, PeerDisconnected, RemoteRejected, TransferError, UnknownPeer
 from kvt.types import Descs, Op
-from ucx_peer import BIG, EXTRA, NBYTES, TCP_ONLY, pattern, settle
+from ucx_peer import BIG, EXTRA, NBYTES, SHM_ONLY, TCP_ONLY, pattern, settle
 
 pytestmark = pytest.mark.multiprocess
 
@@ -161,10 +161,14 @@ def test_unknown_peers(backend, peer):
         backend.notify(name, b"x")
 
 
-def test_peer_death_ends_in_flight_transfers_and_the_agent_serves_others(make_backend, peer, spawn_peer):
-    """Over TCP a frozen target never completes an RMA; killed, its pid
-    watch (same host) ends the transfers well before the timeout."""
-    backend = make_backend(ucx=TCP_ONLY)
+@pytest.mark.parametrize("tls", [TCP_ONLY, SHM_ONLY], ids=["tcp", "shm"])
+def test_peer_death_ends_in_flight_transfers_and_the_agent_serves_others(make_backend, peer, spawn_peer, tls):
+    """Over TCP or shared memory (without cross-memory attach) RMA is emulated
+    by messages, so a frozen target never completes one.  Killed, it is
+    detected well before the timeout: over TCP UCX sees the socket close;
+    over shared memory nothing would tell UCX (no peer error handling on one
+    host), and the pid watch of the progress thread ends the transfers."""
+    backend = make_backend(ucx=tls)
     local, name, lp, rp = _setup(backend, peer)
     ids = np.arange(NBLK)
     peer.freeze()  # surely in flight when it dies

@@ -23,6 +23,8 @@ _CMD_TIMEOUT = 60.0
 LOOPBACK_ONLY = {"NET_DEVICES": "lo"}
 #: no cross-memory attach: RMA emulated over TCP, served by the target's progress thread
 TCP_ONLY = {**LOOPBACK_ONLY, "TLS": "tcp,self"}
+#: RMA emulated over shared memory (posix), no socket that would tell UCX the peer died
+SHM_ONLY = {**LOOPBACK_ONLY, "TLS": "posix,self"}
 BIG = 64 << 20     # main buffer of a peer started with nbytes=BIG
 
 
