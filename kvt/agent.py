@@ -113,11 +113,11 @@ class Transfer:
 
     def __await__(self):
         """``await transfer``: ``wait()`` on a worker thread, so the event loop runs meanwhile."""
-        if not self.state().pending:
-            return self.wait(0)
-        import asyncio
+        if self.state().pending:
+            import asyncio
 
-        return asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
+            yield from asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
+        self.wait(0)  # settled: raises the cause of an ERR
 
     @property
     def telemetry(self) -> Telemetry:
