@@ -300,13 +300,17 @@ class Agent:
         if self._closed:
             self._check_open()
         route = self._routes.get((peer, layout, remote_layout or layout)) or self._route(peer, layout, remote_layout)
-        lidx, ridx = self._index(route.lregions, local_ids, route.lprep), self._index(route.rregions, remote_ids, route.rprep)
+        if route.lregions is None:  # one region: block ids are the indices, and the backend checks them
+            lidx, ridx = local_ids, remote_ids
+            n = self._nblocks[route.lprep] if local_ids is None else len(local_ids)
+        else:
+            lidx, ridx = self._index(route.lregions, local_ids, route.lprep), self._index(route.rregions, remote_ids, route.rprep)
+            n = lidx.size
         handle = self.backend.transfer(op, route.lprep, lidx, route.rprep, ridx, notif)
-        return Transfer(self, handle, lidx.size * route.block_len, lidx.size, t0)
+        return Transfer(self, handle, n * route.block_len, n, t0)
 
-    def _index(self, regions: np.ndarray | None, block_ids: Any, prep: PrepHandle) -> np.ndarray:
-        ids = as_index(block_ids, self._nblocks[prep], "block ids")
-        return ids if regions is None else (regions + ids).ravel()
+    def _index(self, regions: np.ndarray, block_ids: Any, prep: PrepHandle) -> np.ndarray:
+        return (regions + as_index(block_ids, self._nblocks[prep], "block ids")).ravel()
 
     def _route(self, peer: str, layout: str, remote_layout: str | None) -> _Route:
         """Check and prep a layout pairing once; transfers then reuse it."""

@@ -204,10 +204,11 @@ class Backend(abc.ABC):
                 f"{sorted(k.value for k in self.capabilities.mem_kinds)}")
 
     def _check_op(self, op: Any, notif: bytes | None) -> Op:
-        try:
-            op = Op(op)
-        except ValueError:
-            raise InvalidArgument(f"op must be Op.READ or Op.WRITE, got {op!r}") from None
+        if type(op) is not Op:  # Op(op) costs a microsecond; most callers pass an Op already
+            try:
+                op = Op(op)
+            except ValueError:
+                raise InvalidArgument(f"op must be Op.READ or Op.WRITE, got {op!r}") from None
         if op not in self.capabilities.ops:
             raise UnsupportedOperation(f"{type(self).__name__} does not declare {op.value}")
         if notif is not None:

@@ -60,8 +60,11 @@ def copy(dst: np.ndarray, src: np.ndarray, lengths) -> None:
     """Copy ``lengths[i]`` bytes from ``src[i]`` to ``dst[i]`` (uint64 address
     arrays; ``lengths`` an array or one int for uniform blocks)."""
     if _native is not None:
-        _native.copy(_u64(dst), _u64(src), lengths if isinstance(lengths, int) else _u64(lengths),
-                     THREADS, SPLIT_BYTES)
+        try:  # the common case: uint64 arrays already (columns of descriptor rows)
+            _native.copy(dst, src, lengths, THREADS, SPLIT_BYTES)
+        except TypeError:
+            _native.copy(_u64(dst), _u64(src), int(lengths) if np.ndim(lengths) == 0 else _u64(lengths),
+                         THREADS, SPLIT_BYTES)
     else:
         _copy_python(dst, src, lengths)
 

@@ -254,7 +254,7 @@ class HostBackend(Backend):
         self._inbox = Inbox()
         self._local = _Lane("kvt-host-local")
         #: transfers up to this many bytes between host memory on this host run in the calling thread
-        self.inline_bytes = int(self.options.get("inline_bytes", 256 * 1024))
+        self.inline_bytes = int(self.options.get("inline_bytes", 16 << 20))
         try:
             self._server = Server(self, listen, self.options.get("advertise_host", listen))
         except HandshakeError as e:  # RouterServer's bind failure
