@@ -1,18 +1,30 @@
-"""Host backend: cross-process READ bandwidth next to a same-run memcpy.
+"""Host backend: cross-process READ and WRITE bandwidth next to same-run baselines.
 
     python benchmarks/bench_host.py [--size-mib 256] [--iters 10]
 
-The target process owns the source buffer (in kvt shared memory, and for the
-``cma`` row in private heap memory); the initiator reads it into its own
-warm buffer.  The baseline is a memcpy between two warm buffers of the same
-size in the initiator, alternating with the reads.  Prints a markdown
-table; best of ``--iters`` for each.
+The target process owns one buffer (in kvt shared memory, or for the ``cma``
+row in private heap memory); the initiator moves it to or from its own warm
+private buffer as one block.  Baselines, measured in the initiator and
+alternating with the transfers so that all see the same machine:
+
+* ``memcpy private``: between two private buffers (huge pages where THP
+  allows: numpy advises them for large arrays).
+* ``memcpy same pages``: between a kvt shared segment and a private buffer,
+  in the direction of the transfer: the same page kinds the shm path copies
+  (a segment's pages are what ``kvt backends`` says: 4 KiB when shmem THP is
+  off).  The ratio that matters for the shm and cma rows.
+* ``socket``: for the tcp row, a plain two-process stream of the same bytes
+  over loopback TCP (``sendall`` of the whole buffer, ``recv_into`` the
+  destination), request to last byte.
+
+Prints a markdown table; best of ``--iters`` for each.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import socket
 import time
 
 import numpy as np
@@ -26,30 +38,82 @@ def _target(nbytes: int, shared: bool, q, stop) -> None:
     with Agent(name="target", backend="host") as agent:
         agent.register_blocks("buf", [buf.reshape(1, -1)])
         q.put(agent.listen())
-        stop.wait(120)
+        stop.wait(300)
 
 
-def _read_bw(endpoint: str, nbytes: int, iters: int, transport: str) -> tuple[float, float]:
-    """(READ GB/s, memcpy GB/s): best of ``iters`` each, the two alternating
-    in this process so that both see the same machine (it is noisy)."""
-    from kvt import Agent
+def _stream_sender(nbytes: int, q, stop) -> None:
+    """The socket baseline's peer: per request byte, send the whole buffer."""
+    buf = np.full(nbytes, 7, np.uint8)
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        q.put(srv.getsockname()[1])
+        conn, _ = srv.accept()
+        with conn:
+            while not stop.is_set() and conn.recv(1):
+                conn.sendall(memoryview(buf))
+
+
+def _best(fn, iters: int) -> float:
+    best = float("inf")
+    for _ in range(iters + 1):  # the first round warms up
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _host_rows(endpoint: str, nbytes: int, iters: int, transport: str) -> dict:
+    """GB/s of READ and WRITE and of both memcpy baselines, interleaved."""
+    from kvt import Agent, memory
 
     dst = np.ones(nbytes, np.uint8)
     a, b = np.full(nbytes, 7, np.uint8), np.ones(nbytes, np.uint8)
+    seg = memory.empty(nbytes)
+    seg[:] = 7
+    out = {}
     with Agent(name="initiator", backend="host", options={"transport": transport}) as agent:
         agent.register_blocks("buf", [dst.reshape(1, -1)])
         peer = agent.connect(endpoint)
-        best_read = best_copy = float("inf")
-        for _ in range(iters + 1):  # the first round warms up
-            t = time.perf_counter()
-            np.copyto(b, a)
-            best_copy = min(best_copy, time.perf_counter() - t)
-            t = time.perf_counter()
-            with agent.read_blocks(peer, [0], [0], layout="buf") as x:
-                x.wait(60)
-            best_read = min(best_read, time.perf_counter() - t)
-        assert (dst[:: 4096] == 7).all(), "data did not arrive"
-    return nbytes / best_read / 1e9, nbytes / best_copy / 1e9
+
+        def move(op):
+            with agent.transfer_blocks(op, peer, [0], [0], layout="buf") as x:
+                x.wait(120)
+
+        t = {k: float("inf") for k in ("READ", "WRITE", "private", "seg->private", "private->seg")}
+        for _ in range(iters + 1):
+            for key, fn in (("private", lambda: np.copyto(b, a)), ("seg->private", lambda: np.copyto(b, seg)),
+                            ("private->seg", lambda: np.copyto(seg, a)), ("READ", lambda: move("READ")),
+                            ("WRITE", lambda: move("WRITE"))):
+                t[key] = min(t[key], _best(fn, 0))
+        assert (dst[::4096] == 7).all(), "data did not arrive"
+    for k, v in t.items():
+        out[k] = nbytes / v / 1e9
+    return out
+
+
+def _socket_gbps(nbytes: int, iters: int, ctx) -> float:
+    q, stop = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_stream_sender, args=(nbytes, q, stop), daemon=True)
+    p.start()
+    try:
+        dst = np.zeros(nbytes, np.uint8)
+        view = memoryview(dst)
+        with socket.create_connection(("127.0.0.1", q.get(timeout=60))) as s:
+            def one():
+                s.sendall(b"x")
+                got = 0
+                while got < nbytes:
+                    n = s.recv_into(view[got:])
+                    if not n:
+                        raise ConnectionError("sender closed")
+                    got += n
+            best = _best(one, iters)
+        assert (dst[::4096] == 7).all()
+        return nbytes / best / 1e9
+    finally:
+        stop.set()
+        p.join(10)
+        if p.is_alive():
+            p.kill()
 
 
 def main() -> None:
@@ -59,25 +123,37 @@ def main() -> None:
     args = ap.parse_args()
     nbytes = args.size_mib << 20
     ctx = mp.get_context("spawn")
-    rows = []
-    for label, shared, transport in [("host READ, shared-memory target (shm path)", True, "auto"),
-                                     ("host READ, private-heap target (cma path)", False, "auto"),
-                                     ("host READ, forced tcp (loopback)", True, "tcp")]:
+    from kvt import memcopy, memory
+
+    results = []
+    for label, shared, transport in [("shm (shared-memory target)", True, "auto"),
+                                     ("cma (private-heap target)", False, "auto"),
+                                     ("tcp (forced, loopback)", True, "tcp")]:
         q, stop = ctx.Queue(), ctx.Event()
         p = ctx.Process(target=_target, args=(nbytes, shared, q, stop), daemon=True)
         p.start()
         try:
-            rows.append((label, *_read_bw(q.get(timeout=60), nbytes, args.iters, transport)))
+            results.append((label, _host_rows(q.get(timeout=60), nbytes, args.iters, transport)))
         finally:
             stop.set()
             p.join(10)
             if p.is_alive():
                 p.kill()
-    print(f"\n{args.size_mib} MiB, 2 processes, best of {args.iters}; memcpy measured in the initiator, "
-          "alternating with the reads\n")
-    print("| path | READ GB/s | memcpy GB/s | x memcpy |\n|---|---:|---:|---:|")
-    for label, bw, base in rows:
-        print(f"| {label} | {bw:.2f} | {base:.2f} | {bw / base:.2f} |")
+    sock = _socket_gbps(nbytes, args.iters, ctx)
+    kind, why = memory.page_policy(nbytes)
+    print(f"\n{args.size_mib} MiB, 2 processes, best of {args.iters}; copy engine {memcopy.ENGINE} "
+          f"({memcopy.THREADS} threads at >= {memcopy.SPLIT_BYTES >> 20} MiB); segments: {kind} pages ({why})\n")
+    print("| path | READ GB/s | WRITE GB/s | memcpy private | memcpy seg->private | memcpy private->seg "
+          "| socket | READ x same-page memcpy | WRITE x same-page memcpy | READ x socket |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label, r in results:
+        tcp = label.startswith("tcp")
+        print(f"| {label} | {r['READ']:.2f} | {r['WRITE']:.2f} | {r['private']:.2f} | {r['seg->private']:.2f} "
+              f"| {r['private->seg']:.2f} | {sock:.2f} | {r['READ'] / r['seg->private']:.2f} "
+              f"| {r['WRITE'] / r['private->seg']:.2f} | {r['READ'] / sock:.2f} |" if tcp else
+              f"| {label} | {r['READ']:.2f} | {r['WRITE']:.2f} | {r['private']:.2f} | {r['seg->private']:.2f} "
+              f"| {r['private->seg']:.2f} | - | {r['READ'] / r['seg->private']:.2f} "
+              f"| {r['WRITE'] / r['private->seg']:.2f} | - |")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
+from time import perf_counter_ns
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -30,7 +32,7 @@ from .handshake import HandshakeServer, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
 from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
 
-__all__ = ["Agent", "Transfer", "poll_until", "fetch_info"]
+__all__ = ["Agent", "Transfer", "Telemetry", "poll_until", "fetch_info"]
 
 
 def fetch_info(endpoint: str, sender: str, timeout: float) -> AgentInfo:
@@ -65,39 +67,92 @@ def poll_until(check, timeout: float, what: str):
             time.sleep(min(delay, deadline - now))
 
 
-class Transfer:
-    """A posted transfer: poll with ``state()``, block with ``wait()``."""
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """What one transfer cost, as ``Transfer.telemetry`` reports it (like
+    NIXL's ``get_xfer_telemetry``)."""
 
-    def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int):
-        self._agent, self.handle, self.nbytes = agent, handle, nbytes
+    nbytes: int          #: bytes moved
+    descs: int           #: descriptors (block x region pairs) posted
+    post_s: float        #: seconds inside the post call (``transfer_blocks`` to the backend's return)
+    xfer_s: float | None  #: seconds from the post to completion first seen (None while pending)
+
+
+class Transfer:
+    """A posted transfer: poll with ``state()``, block with ``wait()``, or
+    ``await`` it from a coroutine."""
+
+    __slots__ = ("_agent", "_backend", "handle", "nbytes", "descs", "_t0", "_t1", "_t2", "_released")
+
+    def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int, descs: int = 0, t0: int | None = None):
+        self._agent, self._backend, self.handle, self.nbytes, self.descs = agent, agent.backend, handle, nbytes, descs
+        self._t1 = perf_counter_ns()
+        self._t0 = self._t1 if t0 is None else t0
+        self._t2: int | None = None
         self._released = False
 
     def state(self) -> XferState:
-        return self._agent.backend.check_state(self.handle)
+        s = self._backend.check_state(self.handle)
+        if self._t2 is None and not s.pending:
+            self._t2 = perf_counter_ns()
+        return s
 
     def wait(self, timeout: float | None = None) -> None:
         """Until ``DONE``; raises the ``TransferError`` cause on ``ERR``,
-        ``KvtTimeoutError`` after ``timeout`` (default: transfer_timeout + 5 s)."""
-        t = self._agent.config.transfer_timeout + 5 if timeout is None else timeout
-        def settled():
-            s = self.state()
-            return None if s.pending else s
-
-        state = poll_until(settled, t, f"transfer {self.handle} ({self.nbytes} bytes)")
+        ``KvtTimeoutError`` after ``timeout`` (default: transfer_timeout + 5 s).
+        Blocks on the backend's completion event where it has one."""
+        state = self.state()
+        if state.pending:
+            t = self._agent.config.transfer_timeout + 5 if timeout is None else timeout
+            state = self._backend.wait(self.handle, t)
+            if state.pending:
+                raise KvtTimeoutError(f"transfer {self.handle} ({self.nbytes} bytes) did not happen within {t:g}s")
+            self._t2 = perf_counter_ns()
         if state.failed:
             raise state.cause
+
+    def __await__(self):
+        """``await transfer``: ``wait()`` on a worker thread, so the event loop runs meanwhile."""
+        if self.state().pending:
+            import asyncio
+
+            yield from asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
+        self.wait(0)  # settled: raises the cause of an ERR
+
+    @property
+    def telemetry(self) -> Telemetry:
+        return Telemetry(self.nbytes, self.descs, (self._t1 - self._t0) / 1e9,
+                         None if self._t2 is None else (self._t2 - self._t1) / 1e9)
 
     def release(self) -> None:
         """Free the handle (idempotent for this object)."""
         if not self._released:
             self._released = True
-            self._agent.backend.release(self.handle)
+            self._backend.release(self.handle)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class _Route:
+    """A checked (peer, local layout, remote layout) pairing with both sides
+    prepped: what every transfer between them reuses."""
+
+    __slots__ = ("lprep", "rprep", "block_len", "lregions", "rregions")
+
+    def __init__(self, lprep: PrepHandle, rprep: PrepHandle, mine: BlockLayout, theirs: BlockLayout):
+        self.lprep, self.rprep, self.block_len = lprep, rprep, mine.block_len
+        self.lregions = _region_offsets(mine)
+        self.rregions = _region_offsets(theirs)
+
+
+def _region_offsets(layout: BlockLayout) -> np.ndarray | None:
+    """Descriptor index of block 0 in each region, as a column (None for one region)."""
+    n = len(layout.base_addrs)
+    return None if n == 1 else (np.arange(n, dtype=np.int64) * layout.num_blocks)[:, None]
 
 
 class Agent:
@@ -115,6 +170,8 @@ class Agent:
         self._layout_regs: dict[str, RegHandle] = {}
         self._peers: dict[str, AgentInfo] = {}
         self._preps: dict[tuple[str | None, str], PrepHandle] = {}
+        self._routes: dict[tuple[str, str, str], _Route] = {}  # (peer, layout, remote layout) -> checked, prepped
+        self._nblocks: dict[PrepHandle, int] = {}  # blocks per region of each prepped layout
         self._pending: dict[str, list[bytes]] = {}
         self._lock = threading.RLock()
         self._server: HandshakeServer | None = None
@@ -239,26 +296,42 @@ class Agent:
 
     def transfer_blocks(self, op: Op, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
                         notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
-        self._check_open()
+        t0 = perf_counter_ns()
+        if self._closed:
+            self._check_open()
+        route = self._routes.get((peer, layout, remote_layout or layout)) or self._route(peer, layout, remote_layout)
+        if route.lregions is None:  # one region: block ids are the indices, and the backend checks them
+            lidx, ridx = local_ids, remote_ids
+            n = self._nblocks[route.lprep] if local_ids is None else len(local_ids)
+        else:
+            lidx, ridx = self._index(route.lregions, local_ids, route.lprep), self._index(route.rregions, remote_ids, route.rprep)
+            n = lidx.size
+        handle = self.backend.transfer(op, route.lprep, lidx, route.rprep, ridx, notif)
+        return Transfer(self, handle, n * route.block_len, n, t0)
+
+    def _index(self, regions: np.ndarray, block_ids: Any, prep: PrepHandle) -> np.ndarray:
+        return (regions + as_index(block_ids, self._nblocks[prep], "block ids")).ravel()
+
+    def _route(self, peer: str, layout: str, remote_layout: str | None) -> _Route:
+        """Check and prep a layout pairing once; transfers then reuse it."""
         rname = remote_layout or layout
         mine, theirs = self._layout(None, layout), self._layout(peer, rname)
         if mine.block_len != theirs.block_len or len(mine.base_addrs) != len(theirs.base_addrs):
             raise IncompatiblePeer(
                 f"layout {layout!r} ({len(mine.base_addrs)} regions x {mine.block_len} B blocks) does not match "
                 f"peer {peer!r}'s {rname!r} ({len(theirs.base_addrs)} x {theirs.block_len} B)")
-        lidx = self.block_index(mine, local_ids)
-        ridx = self.block_index(theirs, remote_ids)
-        handle = self.backend.transfer(op, self._prep(None, layout), lidx, self._prep(peer, rname), ridx, notif)
-        return Transfer(self, handle, int(lidx.size) * mine.block_len)
+        with self._lock:
+            route = _Route(self._prep(None, layout), self._prep(peer, rname), mine, theirs)
+            self._nblocks[route.lprep], self._nblocks[route.rprep] = mine.num_blocks, theirs.num_blocks
+            self._routes[(peer, layout, rname)] = route
+        return route
 
     @staticmethod
     def block_index(layout: BlockLayout, block_ids: Any) -> np.ndarray:
         """Descriptor indices of ``block_ids`` in every region (region-major)."""
         ids = as_index(block_ids, layout.num_blocks, "block ids")
-        if len(layout.base_addrs) == 1:  # one region: block ids are the indices
-            return ids
-        regions = np.arange(len(layout.base_addrs), dtype=np.int64)
-        return (regions[:, None] * layout.num_blocks + ids[None, :]).ravel()
+        regions = _region_offsets(layout)
+        return ids if regions is None else (regions + ids).ravel()
 
     def _layout(self, peer: str | None, name: str) -> BlockLayout:
         layouts = self._layouts if peer is None else self.peer_info(peer).layouts
@@ -278,6 +351,7 @@ class Agent:
             return h
 
     def _drop_preps(self, match) -> None:
+        self._routes.clear()  # rebuilt on next use from the preps that remain
         for key in [k for k in self._preps if match(*k)]:
             self.backend.release(self._preps.pop(key))
 

@@ -36,7 +36,8 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from .errors import ClosedError, InvalidArgument, InvalidHandle, UnknownPeer, UnsupportedOperation
+from .errors import (ClosedError, InvalidArgument, InvalidHandle, KvtTimeoutError, UnknownPeer,
+                     UnsupportedOperation)
 from .types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
                     RegHandle, XferHandle, XferState, as_index)
 
@@ -141,6 +142,21 @@ class Backend(abc.ABC):
         """``PROC``, ``DONE`` or ``ERR`` (with its ``TransferError`` cause).
         Never blocks long.  A released handle raises ``InvalidHandle``."""
 
+    def wait(self, handle: XferHandle, timeout: float) -> XferState:
+        """Block until the transfer settles or ``timeout`` seconds pass;
+        returns its state (``PROC`` on timeout).  This default polls
+        ``check_state`` (spinning briefly, then sleeping); backends whose
+        completion is an event override it to block without using a core."""
+        from .agent import poll_until  # the agent module imports this one
+
+        def settled():
+            s = self.check_state(handle)
+            return None if s.pending else s
+        try:
+            return poll_until(settled, timeout, "transfer")
+        except KvtTimeoutError:
+            return XferState.PROC
+
     @abc.abstractmethod
     def release(self, handle: XferHandle | PrepHandle) -> None:
         """Free a transfer or prep handle.  Releasing a transfer still in
@@ -188,10 +204,11 @@ class Backend(abc.ABC):
                 f"{sorted(k.value for k in self.capabilities.mem_kinds)}")
 
     def _check_op(self, op: Any, notif: bytes | None) -> Op:
-        try:
-            op = Op(op)
-        except ValueError:
-            raise InvalidArgument(f"op must be Op.READ or Op.WRITE, got {op!r}") from None
+        if type(op) is not Op:  # Op(op) costs a microsecond; most callers pass an Op already
+            try:
+                op = Op(op)
+            except ValueError:
+                raise InvalidArgument(f"op must be Op.READ or Op.WRITE, got {op!r}") from None
         if op not in self.capabilities.ops:
             raise UnsupportedOperation(f"{type(self).__name__} does not declare {op.value}")
         if notif is not None:
@@ -216,12 +233,15 @@ class Backend(abc.ABC):
     @staticmethod
     def _pair_indexed(local: Descs, local_idx: Any, remote: Descs, remote_idx: Any):
         """``_pair``, also returning the normalised indices: ``(li, ri, lrows, rrows)``."""
+        uniform = local.uniform_length
         li = as_index(local_idx, len(local), "local_idx")
         ri = as_index(remote_idx, len(remote), "remote_idx")
         if li.size != ri.size:
             raise InvalidArgument(f"local_idx selects {li.size} descriptors but remote_idx {ri.size}; "
                                   "they are paired one to one")
         lrows, rrows = local.array[li], remote.array[ri]
+        if uniform is not None and uniform == remote.uniform_length:
+            return li, ri, lrows, rrows  # every row of both lists has one length: pairs match
         mismatch = np.flatnonzero(lrows[:, 1] != rrows[:, 1])
         if mismatch.size:
             i = int(mismatch[0])

@@ -6,6 +6,20 @@ copy with plain ``memcpy`` (the host backend's fastest path) instead of a
 kernel copy.  Segments are found by address, so any view into one qualifies.
 A segment lives as long as any array or tensor viewing it; its file
 descriptor closes with it, so nothing leaks when a process dies.
+
+Segments use huge pages when the system allows (``page_policy()`` says which
+and why): 4 KiB pages cost a TLB miss every 4 KiB, and a 256 MiB copy from
+4 KiB-page memory runs well below one between huge-page buffers.  In order:
+
+* ``hugetlb`` — ``memfd_create(MFD_HUGETLB)`` when enough huge pages are
+  reserved (``HugePages_Free`` in /proc/meminfo); the size is rounded up to
+  whole huge pages.
+* ``thp`` — an ordinary memfd with ``madvise(MADV_HUGEPAGE)`` when
+  /sys/kernel/mm/transparent_hugepage/shmem_enabled permits it (``always``,
+  ``within_size``, ``advise`` or ``force``); sizes round up to 2 MiB.
+* ``4k`` — otherwise, or when the above fail (e.g. the pool ran dry).
+
+``KVT_HUGEPAGES=0`` forces 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -21,15 +35,95 @@ import numpy as np
 from .errors import InvalidArgument
 from .types import Descs
 
-__all__ = ["empty", "empty_tensor", "segments_of"]
+__all__ = ["empty", "empty_tensor", "segments_of", "page_policy", "page_kind"]
+
+MEMINFO = "/proc/meminfo"
+SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+_THP_SIZE = 2 << 20
+_THP_ON = ("always", "within_size", "advise", "force")  # shmem_enabled values that honour MADV_HUGEPAGE
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page in without touching it from Python
 
 _lock = threading.Lock()
 _segments: dict[int, tuple[int, int]] = {}  # base address -> (fd, size)
+_kinds: dict[int, str] = {}  # base address -> page kind it got
+
+
+def _meminfo() -> dict[str, int]:
+    try:
+        with open(MEMINFO) as f:
+            return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)}
+    except (OSError, ValueError):
+        return {}
+
+
+def _shmem_thp() -> str:
+    try:
+        with open(SHMEM_THP) as f:
+            text = f.read()
+    except OSError:
+        return "unavailable"
+    chosen = [w[1:-1] for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else text.strip()
+
+
+def page_policy(nbytes: int = 1 << 30) -> tuple[str, str]:
+    """``(kind, reason)``: the pages a new segment of ``nbytes`` gets,
+    ``kind`` one of ``hugetlb``, ``thp``, ``4k``."""
+    if os.environ.get("KVT_HUGEPAGES", "1") == "0":
+        return "4k", "KVT_HUGEPAGES=0"
+    info = _meminfo()
+    huge = info.get("Hugepagesize", 2048) << 10
+    free = info.get("HugePages_Free", 0) * huge
+    hugetlb = (f"hugetlb: {info.get('HugePages_Free', 0)} of {info.get('HugePages_Total', 0)} "
+               f"{huge >> 10} KiB pages free")
+    if hasattr(os, "MFD_HUGETLB") and free >= -(-nbytes // huge) * huge:
+        return "hugetlb", hugetlb
+    thp = _shmem_thp()
+    if thp in _THP_ON:
+        return "thp", f"{SHMEM_THP} is {thp!r}; {hugetlb}"
+    return "4k", (f"{SHMEM_THP} is {thp!r} (needs 'advise' or 'always') and {hugetlb} (reserve some with "
+                  "vm.nr_hugepages) — shared segments get 4 KiB pages")
+
+
+def page_kind(arr: Any) -> str | None:
+    """The page kind of the segment holding ``arr``'s first byte, or None if
+    it is not in a kvt segment."""
+    addr = arr.ctypes.data if isinstance(arr, np.ndarray) else int(arr.data_ptr())
+    with _lock:
+        for base, (_, size) in _segments.items():
+            if base <= addr < base + size:
+                return _kinds[base]
+    return None
+
+
+def _map(size: int, kind: str) -> tuple[int, mmap.mmap, int]:
+    """(fd, mapping, mapped size) of a new pre-faulted segment with ``kind`` pages."""
+    flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if kind == "hugetlb" else 0)
+    if kind != "4k":
+        step = (_meminfo().get("Hugepagesize", 2048) << 10) if kind == "hugetlb" else _THP_SIZE
+        size = -(-size // step) * step
+    fd = os.memfd_create("kvt", flags)
+    try:
+        os.ftruncate(fd, size)
+        if kind == "thp":  # advise before the first fault, then fault everything in
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            mm.madvise(mmap.MADV_HUGEPAGE)
+            try:
+                mm.madvise(_MADV_POPULATE_WRITE)
+            except OSError:  # older kernel: touch one byte per page
+                np.frombuffer(mm, np.uint8)[::4096] = 0
+        else:  # MAP_POPULATE pre-faults the pages so the first transfer is not a page-fault storm
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd, mm, size
 
 
 def _forget(addr: int, fd: int) -> None:
     with _lock:
         _segments.pop(addr, None)
+        _kinds.pop(addr, None)
     os.close(fd)
 
 
@@ -40,19 +134,20 @@ def empty(shape: Any, dtype: Any = np.uint8) -> np.ndarray:
     nbytes = count * dtype.itemsize
     if nbytes < 0:
         raise InvalidArgument(f"negative size for shape {shape}")
-    size = max(nbytes, 1)
-    fd = os.memfd_create("kvt", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-        # MAP_POPULATE pre-faults the pages so the first transfer is not a page-fault storm.
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    except OSError:
-        os.close(fd)
-        raise
+    kind, _ = page_policy(max(nbytes, 1))
+    kinds = [kind] + (["thp"] if kind == "hugetlb" and _shmem_thp() in _THP_ON else []) + (["4k"] if kind != "4k" else [])
+    for kind in kinds:
+        try:
+            fd, mm, size = _map(max(nbytes, 1), kind)
+            break
+        except OSError:  # huge pages ran out or are refused: the next kind down
+            if kind == "4k":
+                raise
     flat = np.frombuffer(mm, np.uint8)
     addr = flat.ctypes.data
     with _lock:
         _segments[addr] = (fd, size)
+        _kinds[addr] = kind
     weakref.finalize(mm, _forget, addr, fd)
     return flat[:nbytes].view(dtype).reshape(shape)
 

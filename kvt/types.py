@@ -128,13 +128,20 @@ def as_index(idx: Any, n: int, what: str = "index") -> np.ndarray:
     """Normalise ``idx`` (None = all, int sequence, array) to int64 and bounds-check it."""
     if idx is None:
         return np.arange(n, dtype=np.int64)
-    arr = np.asarray(idx)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise InvalidArgument(f"{what} must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and (arr.min() < 0 or arr.max() >= n):
-        raise InvalidArgument(f"{what} out of range: values must lie in [0, {n}), got [{arr.min()}, {arr.max()}]")
+    arr = idx if type(idx) is np.ndarray else np.asarray(idx)
+    if arr.dtype != _INT64 or arr.ndim != 1:
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise InvalidArgument(f"{what} must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
+    if arr.size:
+        u = arr.view(np.uint64)  # a negative index viewed as uint64 is past any n: one comparison
+        # a few ids: Python's max costs less than a numpy reduction's fixed overhead
+        if (max(u.tolist()) if arr.size <= 16 else u.max()) >= n:
+            raise InvalidArgument(f"{what} out of range: values must lie in [0, {n}), got [{arr.min()}, {arr.max()}]")
     return arr
+
+
+_INT64 = np.dtype(np.int64)
 
 
 class Descs:
@@ -146,7 +153,7 @@ class Descs:
     memory through torch).
     """
 
-    __slots__ = ("array", "kind", "tensors")
+    __slots__ = ("array", "kind", "tensors", "_uniform")
 
     def __init__(self, array: Any, kind: MemKind | str = MemKind.DRAM, tensors: Sequence[Any] = ()):
         arr = np.asarray(array)
@@ -165,6 +172,7 @@ class Descs:
         except ValueError:
             raise InvalidArgument(f"unknown memory kind {kind!r}; use one of {[k.value for k in MemKind]}") from None
         self.array, self.kind, self.tensors = arr, kind, tuple(tensors)
+        self._uniform: int | None | bool = False  # not computed yet
 
     # -- construction -----------------------------------------------------
 
@@ -261,6 +269,16 @@ class Descs:
     @property
     def devices(self) -> np.ndarray:
         return self.array[:, 2]
+
+    @property
+    def uniform_length(self) -> int | None:
+        """The length every row has, or None if they differ (or there are no
+        rows).  Computed once: a list is immutable, and prepped lists are
+        reused by every transfer."""
+        if self._uniform is False:
+            n = self.lengths
+            self._uniform = int(n[0]) if len(n) and bool((n == n[0]).all()) else None
+        return self._uniform
 
     @property
     def nbytes(self) -> int:

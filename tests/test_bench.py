@@ -244,7 +244,8 @@ def test_kvt_bench_quick_on_host_writes_table_json_and_plot(tmp_path, capsys, mo
     assert len(rows) == 2 * n_cases and not any(r["error"] for r in rows)
     assert doc["plan"]["rounds"] == 2 and all(r["rounds"] == 2 and "samples" not in r for r in rows)
     assert set(rows[0]) >= {"engine", "group", "op", "block", "batch", "inflight", "bytes", "iters", "gbps",
-                            "median_s", "p99_s", "post_s", "complete_s", "x_memcpy", "x_raw_nixl"}
+                            "median_s", "p99_s", "post_s", "complete_s", "cpu_s", "x_memcpy", "x_raw_nixl"}
+    assert all(r["cpu_s"] >= 0 for r in rows)
     host = [r for r in rows if r["engine"] == "host"]
     assert all(r["x_memcpy"] > 0 and r["x_raw_nixl"] is None and r["iters"] >= 2 * 2 for r in host)
     assert {(g["engine"], g["op"]) for g in doc["growth"]} == {(MEMCPY, "READ"), ("host", "READ")}
@@ -257,6 +258,19 @@ def test_kvt_bench_unknown_backend_is_a_typed_error(capsys):
     assert cli.main(["bench", "--backend", "nosuch", "--quick"]) == 2
     err = capsys.readouterr().err
     assert "nosuch" in err and "host" in err
+
+
+def test_plot_without_matplotlib_says_how_to_install_before_running_anything(monkeypatch, capsys):
+    import importlib.util
+
+    import kvt.bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(kvt.bench, "run_engine", lambda *a: pytest.fail("ran an engine before failing"))
+    assert cli.main(["bench", "--quick", "--backend", "host", "--plot", "x.png"]) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and "pip install" in err
 
 
 def test_plot_needs_sweep_rows(tmp_path):

@@ -128,3 +128,15 @@ def test_option_values_parse_as_json_else_text(tmp_path):
     assert (c.backend, c.listen_port, c.options) == ("ucx", 5000, {"device": "lo", "timeout": 2, "a": "b"})
     with pytest.raises(kvt.ConfigError, match="--option expects KEY=VALUE, got 'novalue'"):
         commands.parse_option("novalue")
+
+
+def test_backends_table_names_the_copy_engine_and_page_kind(capsys, monkeypatch):
+    from kvt import memcopy, memory
+
+    assert cli.main(["backends"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"copy engine: {memcopy.ENGINE} (" in out
+    assert f"shared segments: {memory.page_policy()[0]} pages (" in out
+    monkeypatch.setenv("KVT_HUGEPAGES", "0")
+    assert cli.main(["backends"]) == 0
+    assert "shared segments: 4k pages (KVT_HUGEPAGES=0)" in " ".join(capsys.readouterr().out.split())

@@ -20,7 +20,7 @@ __all__ = ["SCHEMA", "HEADERS", "cells", "table", "growth_table", "markdown", "d
 
 SCHEMA = "kvt-bench/1"
 HEADERS = ["group", "op", "block", "batch", "in flight", "engine", "GB/s", "median", "p99",
-           "post", "complete", "x memcpy", "x raw NIXL", "iters"]  # iters: pooled over the rounds
+           "post", "complete", "CPU/req", "x memcpy", "x raw NIXL", "iters"]  # iters: pooled over the rounds
 _RIGHT = set(HEADERS[2:5] + HEADERS[6:])
 
 
@@ -49,9 +49,9 @@ def cells(r: dict) -> list[str]:
     """One row as the table's text cells (``HEADERS`` order)."""
     head = [r["group"], r["op"], format_size(r["block"]), str(r["batch"]), str(r["inflight"]), r["engine"]]
     if r["error"]:
-        return head + ["failed"] + ["-"] * 7
+        return head + ["failed"] + ["-"] * 8
     return head + [_num(r["gbps"]), fmt_time(r["median_s"]), fmt_time(r["p99_s"]), fmt_time(r["post_s"]),
-                   fmt_time(r["complete_s"]), _num(r.get("x_memcpy")), _num(r.get("x_raw_nixl")), str(r["iters"])]
+                   fmt_time(r["complete_s"]), fmt_time(r.get("cpu_s")), _num(r.get("x_memcpy")), _num(r.get("x_raw_nixl")), str(r["iters"])]
 
 
 def table(rows: Sequence[dict], title: str = "kvt bench") -> Table:

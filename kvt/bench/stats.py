@@ -8,6 +8,7 @@ A row is a plain dict (it goes to JSON as is)::
     median_s, p99_s       latency of one iteration (post + completion)
     min_s
     post_s, complete_s    medians of the two parts of an iteration
+    cpu_s                 median CPU seconds the initiator process used per request
     x_memcpy, x_raw_nixl  gbps / the baseline's gbps for the same case (or None)
     error                 None, or why the case failed (then the numbers are None)
     samples               per-iteration post and completion times, until
@@ -27,10 +28,11 @@ __all__ = ["MEMCPY", "RAW_NIXL", "summarize", "failed", "merge_rounds", "add_rat
 
 #: engine names of the baselines
 MEMCPY, RAW_NIXL = "memcpy", "raw-nixl"
-_NUMBERS = ("iters", "gbps", "median_s", "p99_s", "min_s", "post_s", "complete_s")
+_NUMBERS = ("iters", "gbps", "median_s", "p99_s", "min_s", "post_s", "complete_s", "cpu_s")
 
 
-def summarize(engine: str, case: Case, post: Sequence[float], complete: Sequence[float]) -> dict:
+def summarize(engine: str, case: Case, post: Sequence[float], complete: Sequence[float],
+              cpu: Sequence[float] | None = None) -> dict:
     """The row for ``case`` from per-iteration post and completion times (seconds)."""
     post_a, done_a = np.asarray(post, float), np.asarray(complete, float)
     if post_a.size == 0 or post_a.shape != done_a.shape:
@@ -40,8 +42,9 @@ def summarize(engine: str, case: Case, post: Sequence[float], complete: Sequence
     return {"engine": engine, **case.as_dict(), "iters": int(lat.size),
             "gbps": case.nbytes / median / 1e9 if median > 0 else float("inf"),
             "median_s": median, "p99_s": float(np.percentile(lat, 99)), "min_s": float(lat.min()),
-            "post_s": float(np.median(post_a)), "complete_s": float(np.median(done_a)), "error": None,
-            "samples": {"post": post_a.tolist(), "complete": done_a.tolist()}}
+            "post_s": float(np.median(post_a)), "complete_s": float(np.median(done_a)),
+            "cpu_s": float(np.median(cpu)) if cpu else None, "error": None,
+            "samples": {"post": post_a.tolist(), "complete": done_a.tolist(), "cpu": list(cpu or [])}}
 
 
 def failed(engine: str, case: Case, error: str) -> dict:
@@ -68,7 +71,8 @@ def merge_rounds(rows: Iterable[dict]) -> list[dict]:
         else:
             case = Case(key[0], Op(key[1]), *key[2:])
             merged = summarize(engine, case, [t for r in rs for t in r["samples"]["post"]],
-                               [t for r in rs for t in r["samples"]["complete"]])
+                               [t for r in rs for t in r["samples"]["complete"]],
+                               [t for r in rs for t in r["samples"].get("cpu", [])])
         out.append({**{k: v for k, v in merged.items() if k != "samples"}, "rounds": len(rs)})
     return out
 

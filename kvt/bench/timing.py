@@ -10,7 +10,8 @@ raw NIXL, memcpy).  It posts one request of a case and polls it::
 
 One iteration posts ``case.inflight`` requests back to back, then polls them
 all until done.  Its *post* time is the posting, its *completion* time the
-polling that follows; latency is the sum.  Polling spins but yields the GIL
+polling that follows; latency is the sum.  Its *CPU* time is what the
+initiator process (every thread) used meanwhile, per request.  Polling spins but yields the GIL
 between polls (``time.sleep(0)``), so backends that complete transfers on
 their own threads are not starved by the waiting thread.
 """
@@ -43,9 +44,10 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def _iteration(engine: Engine, case: Case, ids: Ids, timeout: float) -> tuple[float, float]:
+def _iteration(engine: Engine, case: Case, ids: Ids, timeout: float) -> tuple[float, float, float]:
     handles: list[Any] = []
     try:
+        c0 = time.process_time()
         t0 = time.perf_counter()
         for r in range(case.inflight):
             handles.append(engine.post(case, ids, r))
@@ -60,10 +62,11 @@ def _iteration(engine: Engine, case: Case, ids: Ids, timeout: float) -> tuple[fl
                                           f"within {timeout:g}s")
                 time.sleep(0)
         t2 = time.perf_counter()
+        cpu = (time.process_time() - c0) / case.inflight
     finally:
         for h in handles:
             engine.release(h)
-    return t1 - t0, t2 - t1
+    return t1 - t0, t2 - t1, cpu
 
 
 def measure(engine: Engine, case: Case, plan: Plan) -> dict:
@@ -71,19 +74,20 @@ def measure(engine: Engine, case: Case, plan: Plan) -> dict:
     ``min_iters``, at most ``max_iters``).  A failing case gives a row with
     its ``error`` instead of raising."""
     ids = case.ids()
-    post, done = [], []
+    post, done, cpu = [], [], []
     try:
         for _ in range(plan.warmup):
             _iteration(engine, case, ids, plan.timeout)
         start = time.perf_counter()
         while len(post) < plan.min_iters or (time.perf_counter() - start < plan.budget
                                              and len(post) < plan.max_iters):
-            p, c = _iteration(engine, case, ids, plan.timeout)
+            p, c, u = _iteration(engine, case, ids, plan.timeout)
             post.append(p)
             done.append(c)
+            cpu.append(u)
     except KvtError as e:
         return failed(engine.name, case, f"{type(e).__name__}: {e}")
-    return summarize(engine.name, case, post, done)
+    return summarize(engine.name, case, post, done, cpu)
 
 
 def check_moves_bytes(engine: Engine, local: np.ndarray, block: int) -> None:

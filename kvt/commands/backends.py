@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .. import registry
+from .. import memcopy, memory, registry
 from ..errors import BackendLoadError
 from ..types import Availability, Capabilities, MemKind, Op
 
@@ -101,6 +101,9 @@ def _print_table(rows: list[registry.BackendStatus], show_missing: bool) -> None
     reasons = dict.fromkeys((s.info.name, s.availability.reason) for s in rows if not s.usable)
     for name, reason in reasons:
         console.print(Text.assemble((name, "bold"), " is not usable: ", (reason, "red")))
+    kind, why = memory.page_policy()
+    console.print(Text.assemble(("copy engine: ", "bold"), f"{memcopy.ENGINE} ({memcopy.ENGINE_REASON})"))
+    console.print(Text.assemble(("shared segments: ", "bold"), f"{kind} pages ({why})"))
     installed = {s.info.name for s in rows}
     missing = [f"{n} ({d})" for n, d in registry.KNOWN.items() if n not in installed]
     if show_missing and missing:

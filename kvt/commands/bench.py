@@ -163,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--rounds must be at least 1, got {rounds}")
     if args.plot and "sweep" not in plan.meta["groups"]:
         raise InvalidArgument("--plot draws the sweep group; add sweep to --groups")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
+        raise InvalidArgument("--plot needs matplotlib, which is not installed; install it with "
+                              "`pip install 'kvt[bench]'` (or `pip install matplotlib`), or drop --plot")
     before, started = report.machine(), time.time()
     Console(stderr=True).print(
         f"kvt bench: {len(plan.cases)} cases x {len(specs)} engines ({', '.join(s.name for s in specs)}) "

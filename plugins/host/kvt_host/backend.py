@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -55,24 +55,43 @@ class _Prep:
     mapped: np.ndarray | None = None  # our addresses of a peer's rows in its shared segments
 
 
-@dataclass
+_settle = threading.Lock()  # guards every job's state and waiter: held for a few instructions only
+
+
 class _Job:
-    op: Op
-    lrows: np.ndarray
-    lkind: MemKind
-    rrows: np.ndarray
-    rkind: MemKind
-    notif: bytes | None
-    peer: "_Peer | None"
-    rmapped: np.ndarray | None = None  # remote rows, mapped into our address space (shm path)
-    state: XferState = XferState.PROC
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    future: Any = None
+    """One posted transfer.  Its state settles once (first outcome wins:
+    completion vs cancellation); a waiter blocks on ``event``, made only
+    when someone waits on a job still in flight."""
+
+    __slots__ = ("op", "lrows", "lkind", "rrows", "rkind", "notif", "peer", "rmapped", "state", "future", "event",
+                 "nbytes")
+
+    def __init__(self, op: Op, lrows: np.ndarray, lkind: MemKind, rrows: np.ndarray, rkind: MemKind,
+                 notif: bytes | None, peer: "_Peer | None", rmapped: np.ndarray | None = None):
+        self.op, self.lrows, self.lkind, self.rrows, self.rkind = op, lrows, lkind, rrows, rkind
+        self.notif, self.peer = notif, peer
+        self.rmapped = rmapped  # remote rows, mapped into our address space (shm path)
+        self.state = XferState.PROC
+        self.future = None
+        self.event: threading.Event | None = None
 
     def finish(self, state: XferState) -> None:
-        with self.lock:  # first outcome wins (completion vs cancellation)
-            if self.state.pending:
-                self.state = state
+        with _settle:
+            if not self.state.pending:
+                return
+            self.state, event = state, self.event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float) -> XferState:
+        with _settle:
+            if not self.state.pending:
+                return self.state
+            if self.event is None:
+                self.event = threading.Event()
+            event = self.event
+        event.wait(timeout)
+        return self.state
 
 
 class _Lane:
@@ -235,7 +254,7 @@ class HostBackend(Backend):
         self._inbox = Inbox()
         self._local = _Lane("kvt-host-local")
         #: transfers up to this many bytes between host memory on this host run in the calling thread
-        self.inline_bytes = int(self.options.get("inline_bytes", 256 * 1024))
+        self.inline_bytes = int(self.options.get("inline_bytes", 16 << 20))
         try:
             self._server = Server(self, listen, self.options.get("advertise_host", listen))
         except HandshakeError as e:  # RouterServer's bind failure
@@ -332,9 +351,11 @@ class HostBackend(Backend):
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
         peer = None if rp.peer is None else self._peer(rp.peer)
-        _, ri, lrows, rrows = self._pair_indexed(lp.descs, local_idx, rp.descs, remote_idx)
+        li, ri, lrows, rrows = self._pair_indexed(lp.descs, local_idx, rp.descs, remote_idx)
         job = _Job(op, lrows, lp.descs.kind, rrows, rp.descs.kind, None if notif is None else bytes(notif), peer,
                    None if rp.mapped is None else rp.mapped[ri])
+        uniform = lp.descs.uniform_length
+        job.nbytes = len(li) * uniform if uniform is not None else int(lrows[:, 1].sum())
         h = self._next_id()
         self._xfers[h] = job
         lane = peer.lane if peer else self._local
@@ -350,7 +371,7 @@ class HostBackend(Backend):
         """A small copy between host memory that never touches the network."""
         if job.lkind is not MemKind.DRAM or job.rkind is not MemKind.DRAM:
             return False
-        if int(job.lrows[:, 1].sum()) > self.inline_bytes:
+        if job.nbytes > self.inline_bytes:
             return False
         p = job.peer
         return p is None or (p.same_host and (p.cma_ok or job.rmapped is not None))
@@ -358,6 +379,11 @@ class HostBackend(Backend):
     def check_state(self, handle: XferHandle) -> XferState:
         self._check_open()
         return self._xfers[handle].state
+
+    def wait(self, handle: XferHandle, timeout: float) -> XferState:
+        """Blocks on the job's completion event: no polling, no core used."""
+        self._check_open()
+        return self._xfers[handle].wait(timeout)
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
         self._check_open()
@@ -414,9 +440,10 @@ class HostBackend(Backend):
 
     def _host_rows(self, rows: np.ndarray, kind: MemKind) -> np.ndarray:
         """``(k, 2)`` (address, length) rows in host memory (mirrors for device memory)."""
+        if kind is MemKind.DRAM:
+            return rows[:, :2]
         out = rows[:, :2].copy()
-        if kind is not MemKind.DRAM:
-            out[:, 0] = self._mirrors.translate(rows)[0]
+        out[:, 0] = self._mirrors.translate(rows)[0]
         return out
 
     def _move_same_host(self, job: _Job, peer: _Peer, local: np.ndarray) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 from kvt.errors import InvalidArgument
 from kvt.types import Descs
 
-from .memops import coalesce
+from kvt.memcopy import coalesce
 
 
 class Mirrors:

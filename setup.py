@@ -1,0 +1,6 @@
+"""Builds kvt's native copy engine (kvt/_copy.c); everything else is in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("kvt._copy", ["kvt/_copy.c"], extra_compile_args=["-O2", "-pthread"],
+                             extra_link_args=["-pthread"])])

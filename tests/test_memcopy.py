@@ -1,0 +1,115 @@
+"""kvt.memcopy: the native copy engine and its pure-Python fallback move the
+same bytes, for scattered, uniform, merging and thread-split batches."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvt import memcopy
+
+ENGINES = ["python"] + (["native"] if memcopy._native is not None else [])
+
+
+def _run(engine: str, dst, src, lengths, threads: int = 1, split: int = 0) -> None:
+    if engine == "native":
+        memcopy._native.copy(dst, src, lengths, threads, split)
+    else:
+        memcopy._copy_python(dst, src, lengths)
+
+
+def test_native_engine_is_in_use_unless_disabled():
+    """A build that silently lost the extension would pass every other test on the fallback."""
+    if os.environ.get("KVT_NATIVE", "1") == "0":
+        assert memcopy.ENGINE == "python" and "KVT_NATIVE=0" in memcopy.ENGINE_REASON
+    else:
+        assert memcopy.ENGINE == "native", memcopy.ENGINE_REASON
+
+
+def _arena(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("block", [1, 100, 4096, 65536])
+def test_scattered_blocks_land_where_the_rows_say(engine, block):
+    nblocks = 64
+    src, dst = _arena(nblocks * block, 1), np.zeros(nblocks * block, np.uint8)
+    order = np.random.default_rng(2).permutation(nblocks)
+    s = np.uint64(src.ctypes.data) + order.astype(np.uint64) * np.uint64(block)
+    d = np.uint64(dst.ctypes.data) + np.arange(nblocks, dtype=np.uint64) * np.uint64(block)
+    _run(engine, d, s, np.full(nblocks, block, np.uint64))
+    assert np.array_equal(dst.reshape(nblocks, block), src.reshape(nblocks, block)[order])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_uneven_lengths_and_contiguous_runs(engine):
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 40000, 300).astype(np.uint64)
+    total = int(lengths.sum())
+    src, dst = _arena(total, 4), np.zeros(total, np.uint8)
+    offs = np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)
+    # the first half contiguous on both sides (merged into one run), the second reversed
+    half = len(lengths) // 2
+    order = np.concatenate([np.arange(half), np.arange(len(lengths) - 1, half - 1, -1)])
+    d = np.uint64(dst.ctypes.data) + offs[order]
+    s = np.uint64(src.ctypes.data) + offs[order]
+    _run(engine, d, s, lengths[order])
+    assert np.array_equal(dst, src)
+
+
+@pytest.mark.skipif("native" not in ENGINES, reason="native engine not built")
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_thread_split_copies_every_byte_once(threads):
+    lengths = np.array([1, 300000, 5, 4096 * 33 + 7, 1 << 20, 12345], np.uint64)
+    total = int(lengths.sum())
+    src, dst = _arena(total, 5), np.zeros(total, np.uint8)
+    offs = np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)
+    rev = np.arange(len(lengths))[::-1].copy()  # not contiguous: no merging
+    d = np.uint64(dst.ctypes.data) + offs[rev]
+    s = np.uint64(src.ctypes.data) + offs[rev]
+    assert memcopy._native.copy(d, s, lengths[rev], threads, 0) == total
+    assert np.array_equal(dst, src)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_uniform_length_and_strided_columns(engine):
+    """One int for uniform blocks; address columns of a row array need no copy."""
+    src, dst = _arena(8 * 512, 6), np.zeros(8 * 512, np.uint8)
+    rows = np.zeros((8, 3), np.uint64)
+    rows[:, 0] = np.uint64(dst.ctypes.data) + np.arange(8, dtype=np.uint64)[::-1] * np.uint64(512)
+    rows[:, 1] = np.uint64(src.ctypes.data) + np.arange(8, dtype=np.uint64) * np.uint64(512)
+    _run(engine, rows[:, 0], rows[:, 1], 512)
+    assert np.array_equal(dst.reshape(8, 512), src.reshape(8, 512)[::-1])
+
+
+@pytest.mark.skipif("native" not in ENGINES, reason="native engine not built")
+def test_native_rejects_wrong_arrays():
+    a = np.zeros(4, np.uint64)
+    with pytest.raises(TypeError, match="uint64"):
+        memcopy._native.copy(np.zeros(4, np.float64), a, 0)
+    with pytest.raises(TypeError, match="uint64"):
+        memcopy._native.copy(np.zeros((2, 2), np.uint64), a, 0)
+    with pytest.raises(ValueError, match="rows"):
+        memcopy._native.copy(a, np.zeros(3, np.uint64), 0)
+    with pytest.raises(ValueError, match="rows"):
+        memcopy._native.copy(a, a, np.zeros(3, np.uint64))
+    with pytest.raises(OverflowError):
+        memcopy._native.copy(a, a, np.array([2**63, 2**63, 0, 0], np.uint64))
+    assert memcopy._native.copy(a[:0], a[:0], 5) == 0
+
+
+def test_gather_then_scatter_round_trips():
+    src = _arena(10000, 7)
+    base = np.uint64(src.ctypes.data)
+    rows = np.array([[base + 10, 100], [base + 5000, 3000], [base, 7]], np.uint64)
+    packed = memcopy.gather(rows)
+    assert np.array_equal(packed, np.concatenate([src[10:110], src[5000:8000], src[:7]]))
+    out = np.zeros(10000, np.uint8)
+    obase = np.uint64(out.ctypes.data)
+    memcopy.scatter(np.array([[obase + 10, 100], [obase + 5000, 3000], [obase, 7]], np.uint64), packed)
+    assert np.array_equal(out[5000:8000], src[5000:8000]) and np.array_equal(out[:7], src[:7])
+    with pytest.raises(BufferError):
+        memcopy.scatter(rows, packed[:-1])

@@ -1,0 +1,67 @@
+"""kvt.memory's page policy: huge pages when the system allows, a clean
+fallback to 4 KiB pages when it does not, and the reason either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvt import memory
+
+
+@pytest.fixture
+def system(tmp_path, monkeypatch):
+    """Point kvt.memory at fake /proc/meminfo and shmem_enabled files."""
+    meminfo, thp = tmp_path / "meminfo", tmp_path / "shmem_enabled"
+    monkeypatch.setattr(memory, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(memory, "SHMEM_THP", str(thp))
+    monkeypatch.delenv("KVT_HUGEPAGES", raising=False)
+
+    def set_(free_pages: int, shmem: str) -> None:
+        meminfo.write_text(f"MemTotal: 1000 kB\nHugePages_Total: {free_pages}\n"
+                           f"HugePages_Free: {free_pages}\nHugepagesize: 2048 kB\n")
+        thp.write_text(" ".join(f"[{w}]" if w == shmem else w
+                                for w in ("always", "within_size", "advise", "never", "deny", "force")))
+    return set_
+
+
+@pytest.mark.parametrize("free, shmem, kind", [
+    (0, "never", "4k"), (0, "deny", "4k"), (0, "advise", "thp"), (0, "always", "thp"),
+    (512, "never", "hugetlb"), (1, "never", "4k"),  # one 2 MiB page is too few for 1 GiB
+])
+def test_policy_follows_the_system(system, free, shmem, kind):
+    system(free, shmem)
+    got, reason = memory.page_policy(1 << 30)
+    assert got == kind
+    assert ("never" in reason or "deny" in reason) if kind == "4k" else reason
+
+
+def test_env_switch_forces_small_pages(system, monkeypatch):
+    system(512, "always")
+    monkeypatch.setenv("KVT_HUGEPAGES", "0")
+    assert memory.page_policy() == ("4k", "KVT_HUGEPAGES=0")
+
+
+def _usable(arr: np.ndarray) -> None:
+    arr[:] = 3
+    assert int(arr.sum()) == 3 * arr.size
+    assert len(memory.segments_of(memory.Descs.from_buffers([arr]))) == 1
+
+
+def test_thp_segments_are_advised_and_rounded(system):
+    system(0, "advise")
+    arr = memory.empty(3 << 20)
+    assert memory.page_kind(arr) == "thp" and arr.nbytes == 3 << 20
+    (seg,) = memory.segments_of(memory.Descs.from_buffers([arr])).tolist()
+    assert seg[1] == 4 << 20  # whole 2 MiB pages
+    _usable(arr)
+
+
+def test_hugetlb_refused_falls_back_cleanly(system):
+    """The fake meminfo promises hugetlb pages; if the kernel has none, the
+    segment still comes back usable, on the next kind down."""
+    real = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("HugePages_Free")))
+    system(4096, "never")
+    arr = memory.empty(2 << 20)
+    assert memory.page_kind(arr) == ("hugetlb" if real else "4k")
+    _usable(arr)
