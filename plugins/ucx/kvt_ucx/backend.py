@@ -61,7 +61,7 @@ class _Peer:
 def _caps(cuda: bool) -> Capabilities:
     kinds = {MemKind.DRAM, MemKind.VRAM} if cuda else {MemKind.DRAM}
     return Capabilities(mem_kinds=frozenset(kinds), ops=frozenset(Op), notifications=True, local=True,
-                        remote=True, cross_host=True, max_notif_bytes=1 << 20)
+                        remote=True, cross_host=True, max_notif_bytes=1 << 20, cross_host_options={"ucx": {"TLS": "tcp"}}, owner_check="server")
 
 
 def _size(options: Mapping[str, Any], key: str, default: int) -> int:
