@@ -69,7 +69,7 @@ def test_backends_table(fake_plugins, capsys):
     for words in filter(None, map(str.split, out.splitlines())):
         lines.setdefault(words[0], words)  # table rows come before the notes
     assert lines["fake"] == ["fake", "yes", "kvt-fake-backends", "0.3.0", "DRAM", "VRAM", "READ", "no",
-                             "local,", "remote"]
+                             "local,", "remote", "-"]
     assert lines["unusable"][:2] == ["unusable", "no"] and lines["broken"][:2] == ["broken", "no"]
     assert lines["host"][:4] == ["host", "yes", "kvt-host", "0.1.0"]
     # reasons follow the table, verbatim

@@ -50,7 +50,8 @@ def test_header_names_backend_version_capabilities_and_options(pytester):
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([
         "kvt backend: example (kvt-example 0.1.0, ep:example); declares memory DRAM, ops READ WRITE, "
-        "notifications, local, max_notif_bytes=65536; options {'timeout': 7}"])
+        "notifications, local, max_notif_bytes=65536, owner_check=server; options {'timeout': 7}; "
+        "cross_host: not declared: not tested; DRAM: declared, tested"])
 
 
 def test_skip_reasons_tell_not_declared_from_unavailable_here(pytester):
