@@ -47,6 +47,13 @@ class NotificationTests(BackendFixtures):
         backend.notify(name, b"hello")
         assert peer.take_notifs(backend.agent_name, 1, wait_for) == [b"hello"]
 
+    def test_empty_message(self, backend, peer, wait_for):
+        name = backend.add_remote(peer.metadata())
+        backend.notify(name, b"")
+        backend.notify(name, b"after")
+        assert peer.take_notifs(backend.agent_name, 2, wait_for) == [b"", b"after"], (
+            "an empty notification is a message like any other: deliver it, in order")
+
     def test_in_order_per_peer(self, backend, peer, wait_for):
         name = backend.add_remote(peer.metadata())
         msgs = [b"msg-%04d" % i for i in range(200)]
