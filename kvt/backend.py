@@ -272,7 +272,10 @@ class RegionTable:
     def remove(self, handle: int) -> Descs:
         """Forget a registration; ``InvalidHandle`` if there is none."""
         with self._lock:
-            descs = self._regs.pop(handle, None)
+            try:
+                descs = self._regs.pop(handle, None)
+            except TypeError:  # an unhashable handle is just not one of ours
+                descs = None
             if descs is None:
                 raise InvalidHandle(f"no registration with handle {handle!r} (already deregistered?)")
             self._rebuild()

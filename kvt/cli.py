@@ -1,5 +1,5 @@
 """The ``kvt`` command line: ``kvt backends``, ``kvt demo``, ``kvt bench``,
-``kvt conformance``, ``kvt --version``.
+``kvt conformance``, ``kvt new-backend``, ``kvt --version``.
 
 Each subcommand lives in ``kvt.commands.<name>`` (see ``kvt.commands``).  A
 ``KvtError`` escaping a command prints ``kvt: error: ...`` on stderr and exits
@@ -20,7 +20,7 @@ from .errors import KvtError
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 #: subcommand modules under kvt.commands, in help order
-COMMANDS = ["backends", "demo", "bench", "conformance"]
+COMMANDS = ["backends", "demo", "bench", "conformance", "new_backend"]
 
 
 def _command_modules() -> list[ModuleType]:

@@ -99,21 +99,34 @@ XferState.DONE = XferState(Status.DONE)
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """What a backend can do, declared as data on its class.
 
-    An operation outside these raises ``UnsupportedOperation``; the
-    conformance suite skips tests whose capability is not declared.
+    Opt-in: ``Capabilities()`` declares nothing (no memory, no operation, no
+    peers), so a field a plugin forgets under-declares, never over-declares.
+    State every field.  An operation outside these raises
+    ``UnsupportedOperation``; the conformance suite skips tests whose
+    capability is not declared and fails a backend that does not keep what
+    it declares.
     """
 
-    mem_kinds: frozenset[MemKind] = frozenset({MemKind.DRAM})
-    ops: frozenset[Op] = frozenset({Op.READ, Op.WRITE})
-    notifications: bool = True
+    mem_kinds: frozenset[MemKind] = frozenset()
+    ops: frozenset[Op] = frozenset()
+    notifications: bool = False
     #: transfers between two descriptor lists of the same agent (``prep(None, ...)``)
-    local: bool = True
+    local: bool = False
     #: transfers to another process
-    remote: bool = True
-    #: peers on other hosts (not only this machine)
-    cross_host: bool = True
+    remote: bool = False
+    #: peers on other hosts: nothing may rely on shared memory, pids or loopback
+    cross_host: bool = False
     #: largest message ``notify`` accepts
-    max_notif_bytes: int = 64 * 1024
+    max_notif_bytes: int = 0
+    #: options that turn off every same-host shortcut (shared memory, process_vm_readv,
+    #: UCX's shm transports...), so two agents on one host talk as across hosts; the
+    #: conformance suite runs its cross_host tests with them
+    cross_host_options: dict[str, Any] = {}
+    #: how the owner of memory refuses requests for memory it has not registered now:
+    #: ``"server"`` (a target-side server checks each request and answers ``RemoteRejected``)
+    #: or ``"transport"`` (one-sided: the transport's remote keys exist only for registered
+    #: memory and die with the registration); ``""`` declares nothing
+    owner_check: str = ""
 
 
 @dataclass(frozen=True, slots=True)

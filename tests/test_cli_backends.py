@@ -55,7 +55,7 @@ def test_backends_json_console_script_lists_host_usable():
     assert host["capabilities"]["mem_kinds"][0] == "DRAM" and "READ" in host["capabilities"]["ops"]
     assert rows["fake"]["capabilities"] == {
         "mem_kinds": ["DRAM", "VRAM"], "ops": ["READ"], "notifications": False, "local": True,
-        "remote": True, "cross_host": False, "max_notif_bytes": 65536}
+        "remote": True, "cross_host": False, "max_notif_bytes": 0, "cross_host_options": {}, "owner_check": ""}
     assert rows["unusable"]["usable"] is False and "fake interconnect" in rows["unusable"]["reason"]
     broken = rows["broken"]
     assert broken["capabilities"] is None and broken["usable"] is False
@@ -69,7 +69,7 @@ def test_backends_table(fake_plugins, capsys):
     for words in filter(None, map(str.split, out.splitlines())):
         lines.setdefault(words[0], words)  # table rows come before the notes
     assert lines["fake"] == ["fake", "yes", "kvt-fake-backends", "0.3.0", "DRAM", "VRAM", "READ", "no",
-                             "local,", "remote"]
+                             "local,", "remote", "-"]
     assert lines["unusable"][:2] == ["unusable", "no"] and lines["broken"][:2] == ["broken", "no"]
     assert lines["host"][:4] == ["host", "yes", "kvt-host", "0.1.0"]
     # reasons follow the table, verbatim

@@ -5,12 +5,13 @@ Two ways to run the same tests::
     pytest --pyargs kvt_conformance --kvt-backend=NAME [--kvt-options=JSON]
     kvt conformance NAME                     # the same, plus a table per area
 
-or subclass the suites in a plugin's own tests (so one test can be marked
-xfail with a reason)::
+or, in a plugin's own tests, subclass ``ConformanceTests`` once (every
+suite; override a test there to mark it xfail with a reason) or any single
+suite::
 
-    from kvt_conformance import TransferTests
+    from kvt_conformance import ConformanceTests
 
-    class TestMyTransfers(TransferTests):
+    class TestMyBackend(ConformanceTests):
         backend_target = "mybackend"         # entry-point name or Backend subclass
 
 Each test states the capabilities it needs (``requires``) and is skipped,
@@ -34,7 +35,8 @@ _LAZY = {
     "RegistrationTests": "suites", "DescriptorTests": "suites", "TransferTests": "suites",
     "CompletionTests": "suites", "NotificationTests": "suites", "MetadataTests": "suites",
     "ErrorTests": "suites", "FaultTests": "suites", "ConcurrencyTests": "suites",
-    "EngineScenarioTests": "suites",
+    "EngineScenarioTests": "suites", "OwnerCheckTests": "suites", "CrossHostTests": "suites",
+    "ConformanceTests": "suites",
 }
 
 __all__ = list(_LAZY)

@@ -74,7 +74,7 @@ class PeerCore:
 
     COMMANDS = ("info", "metadata", "alloc", "free", "fill_blocks", "contents", "add_remote",
                 "remove_remote", "serve_metadata", "fetch_remote", "notify", "take_notifs",
-                "snapshot_on_notif")
+                "snapshot_on_notif", "deregister", "start_spin", "spin_result")
 
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -82,6 +82,7 @@ class PeerCore:
         self._inbox: dict[str, list[bytes]] = {}
         self._servers: list[HandshakeServer] = []
         self._keys = itertools.count(1)
+        self._spin: tuple[threading.Event, list[bytes]] = (threading.Event(), [])
 
     def info(self) -> dict:
         return {"name": self.backend.agent_name, "pid": os.getpid()}
@@ -105,6 +106,14 @@ class PeerCore:
         buf, handle = self._bufs.pop(key)
         if handle is not None:
             self.backend.deregister(handle)
+
+    def deregister(self, key: str) -> None:
+        """Deregister buffer ``key`` but keep its memory (so a test can see
+        that nothing lands in, or is read from, memory no longer registered)."""
+        buf, handle = self._bufs[key]
+        if handle is not None:
+            self.backend.deregister(handle)
+            self._bufs[key] = (buf, None)
 
     def fill_blocks(self, key: str, block_len: int, ids: list[int], seed: int) -> None:
         self._bufs[key][0].fill_blocks(block_len, ids, seed)
@@ -168,6 +177,44 @@ class PeerCore:
         snap = self.contents(key)
         self._inbox[sender].remove(msg)
         return snap
+
+    def start_spin(self, sender: str, msg: bytes, key: str, timeout: float, scribble: bool = False) -> None:
+        """Start spinning on ``get_notifs`` (no sleep) in a thread, and return
+        once it spins: the moment ``msg`` from ``sender`` appears it copies
+        buffer ``key`` and, with ``scribble``, then overwrites the buffer with
+        0xFF (what an owner may do once a READ of its memory was notified).
+        ``spin_result`` collects the copy."""
+        spinning, done = threading.Event(), threading.Event()
+        self._spin = (done, [])
+        threading.Thread(target=self._spin_on, args=(sender, msg, key, timeout, scribble, spinning, done),
+                         daemon=True).start()
+        spinning.wait(_COMMAND_TIMEOUT)
+
+    def _spin_on(self, sender, msg, key, timeout, scribble, spinning, done) -> None:
+        mem, out = self._bufs[key][0], self._spin[1]
+        deadline = time.monotonic() + timeout
+        try:
+            spinning.set()
+            while time.monotonic() < deadline:
+                got = self.backend.get_notifs().get(sender, ())
+                if msg in got:
+                    out.append(mem.read().tobytes())
+                    if scribble:
+                        mem.write(np.full(mem.nbytes, 0xFF, np.uint8))
+                    got = list(got)
+                    got.remove(msg)
+                if got:
+                    self._inbox.setdefault(sender, []).extend(got)
+                if out:
+                    return
+        finally:
+            done.set()
+
+    def spin_result(self, timeout: float) -> bytes | None:
+        """What the spin ``start_spin`` started saw (None: ``msg`` never came)."""
+        done, out = self._spin
+        done.wait(timeout)
+        return out[0] if out else None
 
     def close(self) -> None:
         for s in self._servers:
@@ -330,6 +377,9 @@ class ProcessPeer:
 
     def snapshot_on_notif(self, sender: str, msg: bytes, key: str, timeout: float) -> bytes | None:
         return self.call("snapshot_on_notif", sender, msg, key, timeout, timeout=timeout + _COMMAND_TIMEOUT)
+
+    def spin_result(self, timeout: float) -> bytes | None:
+        return self.call("spin_result", timeout, timeout=timeout + _COMMAND_TIMEOUT)
 
     # -- process control (fault tests) -------------------------------------------
 

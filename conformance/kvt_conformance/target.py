@@ -123,7 +123,22 @@ class Target:
                 "capabilities": {"mem_kinds": [k.value for k in MemKind if k in c.mem_kinds],
                                  "ops": [o.value for o in Op if o in c.ops],
                                  "notifications": c.notifications, "local": c.local, "remote": c.remote,
-                                 "cross_host": c.cross_host, "max_notif_bytes": c.max_notif_bytes}}
+                                 "cross_host": c.cross_host, "max_notif_bytes": c.max_notif_bytes,
+                                 "cross_host_options": c.cross_host_options, "owner_check": c.owner_check},
+                "ran": self.ran()}
+
+    def ran(self) -> dict[str, str]:
+        """What could run here of what is declared: cross-host, and memory kinds."""
+        from .buffers import unavailable_reason
+
+        c = self.caps
+        out = {"cross_host": (f"declared: tested between processes with cross_host_options {c.cross_host_options}"
+                              if c.cross_host else "not declared: not tested")}
+        for kind in MemKind:
+            if kind in c.mem_kinds:
+                why = unavailable_reason(kind)
+                out[kind.value] = f"declared, unavailable here: {why}" if why else "declared, tested"
+        return out
 
     def header(self) -> str:
         d = self.describe()
@@ -131,5 +146,6 @@ class Target:
         flags = [f for f in ("notifications", "local", "remote", "cross_host") if caps[f]]
         return (f"kvt backend: {self.label} ({self.dist} {self.version}, {self.spec}); declares "
                 f"memory {' '.join(caps['mem_kinds'])}, ops {' '.join(caps['ops'])}, "
-                f"{', '.join(flags) or 'no peers/notifications'}, max_notif_bytes={caps['max_notif_bytes']}; "
-                f"options {self.options}")
+                f"{', '.join(flags) or 'no peers/notifications'}, max_notif_bytes={caps['max_notif_bytes']}, "
+                f"owner_check={caps['owner_check'] or '-'}; options {self.options}; "
+                + "; ".join(f"{k}: {v}" for k, v in d["ran"].items()))

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from kvt.backend import Inbox
-from kvt.types import Descs, Op, XferState
+from kvt.errors import RemoteRejected
+from kvt.types import Descs, MemKind, Op, XferState
 from kvt_example.backend import _AGENTS, ExampleBackend, _copy
 
 #: seconds the early-DONE double lets the bytes lag behind its DONE
@@ -16,18 +18,51 @@ LAG = 0.02
 
 
 class BrokenEarlyDone(ExampleBackend):
-    """Test double: reports DONE as soon as a transfer exists; the bytes land ``LAG`` later."""
+    """Test double: reports DONE as soon as a transfer exists (as if DONE
+    came when the request was sent, not when the reply arrived); the bytes
+    land ``LAG`` later."""
+
+    early = frozenset(Op)
 
     def check_state(self, handle):
-        super().check_state(handle)  # unknown handles still raise
-        return XferState.DONE
+        state = super().check_state(handle)  # unknown handles still raise
+        return XferState.DONE if self._xfers[handle].op in self.early else state
 
     def _run(self, job):
-        time.sleep(LAG)
+        if job.op in self.early:
+            time.sleep(LAG)
         super()._run(job)
 
 
-class BrokenNoBoundsCheck(ExampleBackend):
+class BrokenEarlyDoneRead(BrokenEarlyDone):
+    """Test double: early DONE for READ only."""
+
+    early = frozenset({Op.READ})
+
+
+class BrokenEarlyDoneWrite(BrokenEarlyDone):
+    """Test double: early DONE for WRITE only (the initiator never waits for the target's acknowledgement)."""
+
+    early = frozenset({Op.WRITE})
+
+
+class BrokenNoOwnerCheck(ExampleBackend):
+    """Test double: the owner (target) serves any request its peer preps,
+    trusting the initiator's copy of its metadata: memory deregistered since
+    still moves."""
+
+    def _run(self, job):
+        if not job.state.pending:
+            return
+        target = self if job.peer is None else _AGENTS[job.peer]
+        src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
+        _copy(dst, src)
+        if job.notif is not None:
+            target._inbox.deliver(self.agent_name, job.notif)
+        job.finish(XferState.DONE)
+
+
+class BrokenNoBoundsCheck(BrokenNoOwnerCheck):
     """Test double: preps any rows and moves bytes wherever they point,
     registered or not (a read outside registered memory goes through)."""
 
@@ -41,12 +76,31 @@ class BrokenNoBoundsCheck(ExampleBackend):
         self._preps[h] = (peer, descs)
         return h
 
+
+class BrokenEarlyNotif(ExampleBackend):
+    """Test double: delivers a transfer's notification, then moves its bytes
+    (which land ``LAG`` later, as data behind its notification on a wire)."""
+
     def _run(self, job):
+        if not job.state.pending:
+            return
+        target = self if job.peer is None else _AGENTS[job.peer]
+        if (Descs(job.rrows).locate(target._regions.of(MemKind.DRAM)) < 0).any():
+            return job.finish(XferState.err(RemoteRejected("not registered")))
+        if job.notif is not None:
+            target._inbox.deliver(self.agent_name, job.notif)
+        time.sleep(LAG)
         src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
         _copy(dst, src)
-        if job.notif is not None:
-            (self if job.peer is None else _AGENTS[job.peer])._inbox.deliver(self.agent_name, job.notif)
         job.finish(XferState.DONE)
+
+
+class BrokenCrossHost(ExampleBackend):
+    """Test double: declares cross_host (what a forgotten field meant when
+    Capabilities() declared everything) though its agents reach only agents
+    of their own process."""
+
+    capabilities = msgspec.structs.replace(ExampleBackend.capabilities, cross_host=True)
 
 
 class _BlackHole(Inbox):
@@ -63,4 +117,5 @@ class BrokenDropsNotifs(ExampleBackend):
 
 
 #: the unbroken backend first: the control every variant is compared with
-VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenNoBoundsCheck, BrokenDropsNotifs)
+VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDoneWrite, BrokenNoOwnerCheck,
+            BrokenNoBoundsCheck, BrokenEarlyNotif, BrokenCrossHost, BrokenDropsNotifs)

@@ -50,9 +50,34 @@ EXPECT = {
          "EngineScenarioTests::test_scheduler_drives_prefill_and_decode"],
         ["registration", *OUTSIDE_REGIONS, "NotificationTests::test_standalone",
          "NotificationTests::test_in_order_per_peer", "MetadataTests::test_reload_refreshes_registrations"]),
+    "BrokenEarlyDoneRead": (
+        ["CompletionTests::test_done_means_every_byte_landed_at_the_peer[READ]",
+         "CompletionTests::test_never_done_before_the_data[local-READ-DRAM]"],
+        ["registration", "NotificationTests::test_standalone",
+         "CompletionTests::test_done_means_every_byte_landed_at_the_peer[WRITE]"]),
+    "BrokenEarlyDoneWrite": (
+        ["CompletionTests::test_done_means_every_byte_landed_at_the_peer[WRITE]",
+         "CompletionTests::test_never_done_before_the_data[local-WRITE-DRAM]"],
+        ["registration", "notifications", "metadata", "errors",
+         "CompletionTests::test_done_means_every_byte_landed_at_the_peer[READ]"]),
+    "BrokenNoOwnerCheck": (
+        [f"OwnerCheckTests::test_stale_metadata_is_refused[{op}]" for op in ("READ", "WRITE")],
+        ["registration", "descriptors", "transfers", "completion", "notifications", "metadata", "errors",
+         "faults", "concurrency", "cross-host", "engine"]),
+    "BrokenEarlyNotif": (
+        [f"NotificationTests::test_attached_notif_follows_every_byte_{where}[{op}]"
+         for where in ("at_the_peer", "locally") for op in ("READ", "WRITE")],
+        ["registration", "descriptors", "transfers", "completion", "owner checks", "metadata", "errors",
+         "faults", "concurrency", "cross-host"]),
+    "BrokenCrossHost": (
+        ["CrossHostTests::test_cross_host_implies_remote",
+         *(f"CrossHostTests::test_transfers_with_same_host_shortcuts_off[{op}]" for op in ("READ", "WRITE"))],
+        ["registration", "descriptors", "transfers", "completion", "notifications", "owner checks", "metadata",
+         "errors", "faults", "concurrency", "engine"]),
     "BrokenNoBoundsCheck": (
         [*OUTSIDE_REGIONS, "RegistrationTests::test_registered_memory_is_the_only_preppable_memory[DRAM]",
-         "RegistrationTests::test_overlapping_regions", "MetadataTests::test_reload_refreshes_registrations"],
+         "RegistrationTests::test_overlapping_regions", "MetadataTests::test_reload_refreshes_registrations",
+         "OwnerCheckTests::test_stale_metadata_is_refused[READ]"],
         ["transfers", "completion", "notifications", "concurrency", "engine", "faults", "descriptors"]),
     "BrokenDropsNotifs": (
         [*NOTIFICATION_TESTS, "ConcurrencyTests::test_notify_from_several_threads",

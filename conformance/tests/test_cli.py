@@ -43,7 +43,7 @@ def test_failing_backend_exits_1_naming_the_failures(tmp_path):
     r = run_kvt("broken-drops-notifs", "-q", "-k", "test_standalone or test_zero_length_region",
                 with_doubles=True)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "FAILED test_conformance.py::TestNotifications::test_standalone" in r.stdout
+    assert "FAILED test_conformance.py::TestNotification::test_standalone" in r.stdout
     row = next(line.split() for line in r.stdout.splitlines() if line.strip().startswith("notifications"))
     assert row[1:5] == ["0", "1", "0", "FAIL"]
 

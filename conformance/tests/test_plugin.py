@@ -50,7 +50,8 @@ def test_header_names_backend_version_capabilities_and_options(pytester):
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([
         "kvt backend: example (kvt-example 0.1.0, ep:example); declares memory DRAM, ops READ WRITE, "
-        "notifications, local, max_notif_bytes=65536; options {'timeout': 7}"])
+        "notifications, local, max_notif_bytes=65536, owner_check=server; options {'timeout': 7}; "
+        "cross_host: not declared: not tested; DRAM: declared, tested"])
 
 
 def test_skip_reasons_tell_not_declared_from_unavailable_here(pytester):
@@ -58,14 +59,15 @@ def test_skip_reasons_tell_not_declared_from_unavailable_here(pytester):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: VRAM is available here")
     pytester.makepyfile("""
-        from kvt.types import Capabilities, MemKind
+        from kvt.types import Capabilities, MemKind, Op
         from kvt_example.backend import ExampleBackend
         import kvt_conformance as kc
 
         class ClaimsVram(ExampleBackend):
             '''Test double: declares VRAM (which the test never gets to use here).'''
-            capabilities = Capabilities(mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), remote=False,
-                                        cross_host=False)
+            capabilities = Capabilities(mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM}), ops=frozenset(Op),
+                                        notifications=True, local=True, remote=False, cross_host=False,
+                                        max_notif_bytes=64 * 1024, cross_host_options={}, owner_check="server")
 
         class TestKinds(kc.RegistrationTests):
             backend_target = ClaimsVram

@@ -76,21 +76,21 @@ def as_json(status: registry.BackendStatus) -> dict[str, Any]:
 
 def _cells(s: registry.BackendStatus) -> list[str]:
     caps = s.capabilities
-    declared = ["-"] * 4 if caps is None else [
+    declared = ["-"] * 5 if caps is None else [
         " ".join(_kinds(caps)), " ".join(_ops(caps)), "yes" if caps.notifications else "no",
-        ", ".join(_peers(caps))]
+        ", ".join(_peers(caps)), caps.owner_check or "-"]
     return [s.info.name, "yes" if s.usable else "no", f"{s.info.dist} {s.info.version}", *declared]
 
 
 def _table(rows: list[registry.BackendStatus]) -> Table:
     cells = [_cells(s) for s in rows]
     table = Table(title="kvt backends", box=box.SIMPLE_HEAD)
-    for i, col in enumerate(("name", "usable", "distribution", "memory", "ops", "notif", "peers")):
+    for i, col in enumerate(("name", "usable", "distribution", "memory", "ops", "notif", "peers", "owner check")):
         # a narrow terminal wraps the descriptive cells; name and verdict stay whole
         table.add_column(col, no_wrap=i < 2, overflow="fold", min_width=len(col))
     for row in cells:
         # Text cells: shown verbatim, never parsed as rich markup
-        styles = ["bold", "green" if row[1] == "yes" else "red"] + [""] * 5
+        styles = ["bold", "green" if row[1] == "yes" else "red"] + [""] * 6
         table.add_row(*(Text(c, style=st) for c, st in zip(row, styles)))
     return table
 

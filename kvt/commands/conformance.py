@@ -5,6 +5,11 @@ It runs ``pytest --pyargs kvt_conformance --kvt-backend=NAME`` in a
 subprocess (the suite is the separate ``kvt-conformance`` distribution) and
 reads the plugin's JSON report.  ``--junit-xml FILE`` and ``--json FILE``
 keep the reports.  Exit code 0 when nothing failed, 1 otherwise.
+
+Every backend instance gets the option ``timeout=10`` (seconds: how long a
+dead peer may leave a transfer PROC) unless ``-o timeout=S`` says otherwise;
+tests wait that plus 5 s for anything to settle.  ``--timeout`` is pytest's
+own limit per test.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--junit-xml", metavar="FILE", help="also write a JUnit XML report")
     p.add_argument("--json", metavar="FILE", help="also write the results (per test and per area) as JSON")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="limit per test (default 300); the whole run gets 20 times that")
+                   help="limit per test (default 300); the whole run gets 20 times that. Not the backend's "
+                        "own 'timeout' option, which the suite sets to 10 s unless -o timeout=... says otherwise")
     p.add_argument("-q", "--quiet", action="store_true", help="do not show pytest's own output, only the table")
     p.add_argument("--pytest-args", metavar="ARGS", default="",
                    help="further pytest arguments, one shell-quoted string (e.g. --pytest-args='-x --tb=long')")
@@ -108,7 +114,9 @@ def _header(backend: dict[str, Any]) -> Text:
         ("kvt conformance  ", "bold"), (backend["backend"], "bold cyan"),
         f"  {backend['distribution']} {backend['version']}\n",
         f"  declares: memory {' '.join(caps['mem_kinds'])}; ops {' '.join(caps['ops'])}; "
-        f"{', '.join(flags) or 'no peers or notifications'}; max_notif_bytes {caps['max_notif_bytes']}\n",
+        f"{', '.join(flags) or 'no peers or notifications'}; max_notif_bytes {caps['max_notif_bytes']}; "
+        f"owner check {caps.get('owner_check') or '-'}\n",
+        *(f"  {what}: {how}\n" for what, how in backend.get("ran", {}).items()),
         f"  options:  {json.dumps(backend['options'])}")
 
 

@@ -41,3 +41,15 @@ def assert_bytes(got: np.ndarray, want: np.ndarray, what: str = "destination") -
     bad = np.flatnonzero(got != want)
     assert not bad.size, (f"{what}: {bad.size} of {want.size} bytes differ; first at offset {bad[0]} "
                           f"(got {got[bad[0]]}, expected {want[bad[0]]})")
+
+
+#: the contract tests' transfers: many non-contiguous blocks, several MiB in all,
+#: repeated, so that a backend that signals before its last byte lands is seen doing it
+CONTRACT_BLOCK, CONTRACT_BLOCKS, CONTRACT_REPEATS = 8192, 512, 6
+
+
+def scattered(seed: int, nblocks: int = CONTRACT_BLOCKS) -> tuple[np.ndarray, np.ndarray]:
+    """Two permutations of every other block of a ``2 * nblocks`` buffer:
+    (near ids, far ids), different each ``seed``, no two rows contiguous in order."""
+    rng = np.random.default_rng(seed)
+    return rng.permutation(nblocks) * 2, rng.permutation(nblocks) * 2 + 1

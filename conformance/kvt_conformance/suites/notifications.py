@@ -4,6 +4,7 @@ arriving only after its data, in order per peer, up to the declared size."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 from kvt.agent import poll_until
@@ -12,7 +13,7 @@ from kvt.types import Op
 
 from ..fixtures import BackendFixtures, expect_done
 from ..requirements import requires
-from ._common import assert_bytes
+from ._common import CONTRACT_BLOCK, CONTRACT_REPEATS, assert_bytes, scattered
 
 
 def collect(backend, sender: str, count: int, timeout: float, polling=None) -> list[bytes]:
@@ -45,6 +46,13 @@ class NotificationTests(BackendFixtures):
         name = backend.add_remote(peer.metadata())
         backend.notify(name, b"hello")
         assert peer.take_notifs(backend.agent_name, 1, wait_for) == [b"hello"]
+
+    def test_empty_message(self, backend, peer, wait_for):
+        name = backend.add_remote(peer.metadata())
+        backend.notify(name, b"")
+        backend.notify(name, b"after")
+        assert peer.take_notifs(backend.agent_name, 2, wait_for) == [b"", b"after"], (
+            "an empty notification is a message like any other: deliver it, in order")
 
     def test_in_order_per_peer(self, backend, peer, wait_for):
         name = backend.add_remote(peer.metadata())
@@ -120,3 +128,79 @@ class NotificationTests(BackendFixtures):
         snapshot = dst.read()  # first thing after the notification
         assert got == [b"local-done"]
         assert_bytes(snapshot, src.read(), "destination when the notification arrived")
+
+    # -- the contract, seen deterministically: many scattered blocks, several MiB,
+    # -- a receiver spinning on get_notifs, every byte checked at that instant, repeated
+
+    def test_attached_notif_follows_every_byte_at_the_peer(self, backend, local_buffer, peer, op, wait_for):
+        """WRITE: the peer spins on ``get_notifs`` and copies its memory the
+        instant the notification appears; every byte must be there.  READ:
+        the notification tells the owner its memory was read, so the peer
+        overwrites it at that instant; the initiator's copy must still be
+        the original (an early notification lets the overwrite leak in)."""
+        blk, size = CONTRACT_BLOCK, 2 * CONTRACT_BLOCK * len(scattered(0)[0])
+        near, far = local_buffer(size), peer.alloc(size)
+        name = backend.add_remote(peer.metadata())
+        every = np.arange(size // blk)
+        lp, rp = backend.prep(None, near.blocks(blk, every)), backend.prep(name, far.blocks(blk, every))
+        for rep in range(CONTRACT_REPEATS):
+            near_ids, far_ids, msg = *scattered(rep), b"notif-%d" % rep
+            seed = 1000 + rep
+            src = near.fill(seed) if op is Op.WRITE else None
+            if op is Op.READ:
+                peer.fill_blocks(far.key, blk, every.tolist(), seed)
+                src = far.read()
+            want = np.zeros((size // blk, blk), np.uint8)
+            dst_ids, src_ids = (far_ids, near_ids) if op is Op.WRITE else (near_ids, far_ids)
+            want[dst_ids] = src.reshape(-1, blk)[src_ids]
+            if op is Op.READ:
+                near.write(np.zeros(size, np.uint8))
+            peer.start_spin(backend.agent_name, msg, far.key, wait_for, scribble=op is Op.READ)
+            handle = backend.transfer(op, lp, near_ids, rp, far_ids, notif=msg)
+            expect_done(backend, handle, wait_for)
+            snap = [peer.spin_result(wait_for)]
+            backend.release(handle)
+            assert snap[0] is not None, (
+                f"repetition {rep}: the notification attached to a {op.value} never reached the peer; "
+                "deliver a transfer's notif to the peer (the target) once its bytes have moved")
+            if op is Op.WRITE:
+                assert_bytes(np.frombuffer(snap[0], np.uint8), want.ravel(),
+                             f"repetition {rep}: peer memory the instant the WRITE's notification appeared "
+                             "(send the notification only after the last byte landed at the target)")
+            else:
+                assert_bytes(near.read(), want.ravel(),
+                             f"repetition {rep}: READ data, when the peer overwrote its memory the instant the "
+                             "READ's notification appeared (send it only after the last byte was read)")
+
+    @requires("local")
+    def test_attached_notif_follows_every_byte_locally(self, backend, local_buffer, op, wait_for):
+        """A local transfer's notification comes to this agent (sender: its
+        own name), and only once every byte is at the destination."""
+        blk, size = CONTRACT_BLOCK, 2 * CONTRACT_BLOCK * len(scattered(0)[0])
+        a, b = local_buffer(size), local_buffer(size)
+        every = np.arange(size // blk)
+        ap, bp = backend.prep(None, a.blocks(blk, every)), backend.prep(None, b.blocks(blk, every))
+        me = backend.agent_name
+        for rep in range(CONTRACT_REPEATS):
+            a_ids, b_ids, msg = *scattered(rep), b"local-%d" % rep
+            src, dst = (b, a) if op is Op.READ else (a, b)
+            data = src.fill(2000 + rep)
+            dst.write(np.zeros(size, np.uint8))
+            want = np.zeros((size // blk, blk), np.uint8)
+            src_ids, dst_ids = (b_ids, a_ids) if op is Op.READ else (a_ids, b_ids)
+            want[dst_ids] = data.reshape(-1, blk)[src_ids]
+            handle = backend.transfer(op, ap, a_ids, bp, b_ids, notif=msg)
+            deadline, got, snapshot = time.monotonic() + wait_for, [], None
+            while snapshot is None and time.monotonic() < deadline:  # spin: no sleep
+                backend.check_state(handle)  # as an engine polls what it posted
+                notifs = backend.get_notifs()
+                if msg in notifs.get(me, ()):
+                    snapshot = dst.read()
+                got.extend(m for ms in notifs.values() for m in ms)
+            assert snapshot is not None, (
+                f"repetition {rep}: no notification {msg!r} from {me!r} (this agent) within {wait_for:g}s; "
+                f"got {got[:5]!r}. A local transfer's notif goes to the agent itself, with its own name as sender")
+            assert_bytes(snapshot, want.ravel(), f"repetition {rep}: local {op.value} destination the instant "
+                         "its notification appeared (deliver it only after the last byte landed)")
+            expect_done(backend, handle, wait_for)
+            backend.release(handle)

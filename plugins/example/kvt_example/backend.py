@@ -91,7 +91,8 @@ class ExampleBackend(Backend):
     ``release`` waits for a running job)."""
 
     capabilities = Capabilities(mem_kinds=frozenset({MemKind.DRAM}), ops=frozenset(Op), notifications=True,
-                                local=True, remote=False, cross_host=False, max_notif_bytes=64 * 1024)
+                                local=True, remote=False, cross_host=False, max_notif_bytes=64 * 1024,
+                                cross_host_options={}, owner_check="server")
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         super().__init__(agent_name, options)

@@ -231,7 +231,8 @@ class HostBackend(Backend):
     """
 
     capabilities = Capabilities(mem_kinds=frozenset(MemKind), ops=frozenset(Op), notifications=True,
-                                local=True, remote=True, cross_host=True, max_notif_bytes=1 << 20)
+                                local=True, remote=True, cross_host=True, max_notif_bytes=1 << 20,
+                                cross_host_options={"transport": "tcp"}, owner_check="server")
 
     @classmethod
     def availability(cls) -> Availability:

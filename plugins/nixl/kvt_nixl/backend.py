@@ -100,7 +100,7 @@ class NixlBackend(Backend):
     capabilities = Capabilities(
         mem_kinds=frozenset({MemKind.DRAM, MemKind.VRAM} if native.cuda_present() else {MemKind.DRAM}),
         ops=frozenset(Op), notifications=True, local=True, remote=True, cross_host=True,
-        max_notif_bytes=1 << 20)
+        max_notif_bytes=1 << 20, cross_host_options={"ucx_env": {"UCX_TLS": "tcp"}}, owner_check="transport")
 
     @classmethod
     def availability(cls) -> Availability:

@@ -91,7 +91,8 @@ class _Xfer:
 
 def _caps() -> Capabilities:
     return Capabilities(mem_kinds=frozenset({MemKind.DRAM}), ops=frozenset(Op), notifications=True, local=True,
-                        remote=True, cross_host=True, max_notif_bytes=_MAX_NOTIF)
+                        remote=True, cross_host=True, max_notif_bytes=_MAX_NOTIF,
+                        cross_host_options={"ucx": {"TLS": "tcp"}}, owner_check="transport")
 
 
 def _ucx_config(options: Mapping[str, Any]) -> dict[str, str]:
