@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 _POLL_MS = 100  # how often the server thread checks for close()
 #: largest handshake message a server or client accepts (ZMQ drops the connection of a bigger one)
 MAX_HANDSHAKE_BYTES = 16 << 20
+_HWM = 4
 
 
 class RouterServer:
@@ -48,6 +49,10 @@ class RouterServer:
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        # a few messages queued per peer each way: a peer that floods requests, or never reads its
+        # replies, is throttled by TCP back-pressure (or loses replies) instead of filling our memory
+        self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._sock.setsockopt(zmq.SNDHWM, _HWM)
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")

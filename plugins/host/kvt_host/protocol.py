@@ -10,7 +10,7 @@ from kvt.wire import Message
 #: work one request may ask of the owner's server thread; initiators split bigger transfers
 #: (so one peer's huge transfer is many requests, and ZMQ serves peers' requests in turn)
 MAX_REQUEST_ROWS = 1 << 16
-MAX_REQUEST_BYTES = 64 << 20
+MAX_REQUEST_BYTES = 32 << 20
 #: the biggest message the server accepts: a full WRITE plus its row table and envelope
 MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES + 24 * MAX_REQUEST_ROWS + (64 << 10)
 MAX_NAME = 256  # characters of an agent name on the wire

@@ -75,6 +75,8 @@ class Server(RouterServer):
         except ValueError:
             raise Refused("bad_request", f"unknown memory kind {req.kind!r}") from None
         rows = rows_of(req.rows)
+        if not len(rows):
+            raise Refused("bad_request", f"{req.op} request without rows")
         try:
             Descs(rows).check_rows(f"{req.op} request", max_rows=MAX_REQUEST_ROWS, max_bytes=MAX_REQUEST_BYTES)
         except InvalidDescriptor as e:

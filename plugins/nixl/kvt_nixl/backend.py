@@ -182,11 +182,16 @@ class NixlBackend(Backend):
                 # common, e.g. UCX_TLS differs) cannot be paired with us
                 raise native.translate(e, f"loading the NIXL metadata of {md.name!r}", WireError,
                                        {"NIXL_ERR_BACKEND": IncompatiblePeer}) from e
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            if name != md.name:
-                if name not in self._peers:
-                    self._agent.remove_remote_agent(name)
+            if name not in (md.name, md.name.encode()):
+                # never leave a half-loaded peer behind (unless it is one we had loaded before)
+                if md.name not in self._peers:
+                    for n in {name, md.name}:
+                        try:
+                            self._agent.remove_remote_agent(n)
+                        except Exception:  # noqa: BLE001 - not loaded under that name
+                            pass
                 raise WireError(f"metadata says agent {md.name!r} but its NIXL part belongs to {name!r}")
+            name = md.name
             self._peers[name] = regions
             self._retire(lambda p: p.peer == name)  # NIXL refuses lists prepped before a reload
         return name
