@@ -16,7 +16,7 @@ from typing import Callable
 
 import zmq
 
-from .errors import HandshakeError, HandshakeTimeout, InvalidArgument
+from .errors import HandshakeError, HandshakeTimeout, InvalidArgument, KvtError
 
 __all__ = ["RouterServer", "HandshakeServer", "request"]
 
@@ -93,7 +93,9 @@ class RouterServer:
         try:
             return self._handle(frames)
         except Exception as e:  # noqa: BLE001 - one bad message must not stop the server
-            log.warning("%s: refused a message: %s: %s", self._thread.name, type(e).__name__, e)
+            # malformed bytes are routine from a hostile peer (debug, so they cannot flood the log)
+            log.log(logging.DEBUG if isinstance(e, KvtError) else logging.WARNING,
+                    "%s: refused a message: %s: %s", self._thread.name, type(e).__name__, e)
             if self._refuse is None:
                 return None
             try:

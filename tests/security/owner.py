@@ -24,9 +24,13 @@ def _serve(options, q, cmd) -> None:
     buf[:] = GUARD_BYTE
     region = buf[GUARD:GUARD + REGION]
     _fill(region)
+    import tempfile
+    secret = tempfile.TemporaryFile()  # a file the owner has open, never shared: forged segments aim at it
+    secret.write(b"S" * REGION)
+    secret.flush()
     with Agent(name="owner", backend="host", options=options) as agent:
         agent.register_blocks("kv", [region.reshape(64, -1)])
-        q.put((agent.listen(), region.ctypes.data, REGION))
+        q.put((agent.listen(), region.ctypes.data, REGION, secret.fileno()))
         while True:
             op = cmd.get(timeout=300)
             if op == "stop":
@@ -36,14 +40,17 @@ def _serve(options, q, cmd) -> None:
                 _fill(expect)
                 guards = np.concatenate([buf[:GUARD], buf[GUARD + REGION:]])
                 q.put((bool((guards == GUARD_BYTE).all()), bool((region == expect).all())))
+            elif op == "secret":
+                secret.seek(0)
+                q.put(secret.read())
             elif op == "notifs":
                 q.put({k: [len(m) for m in v] for k, v in agent.get_notifs().items()})
 
 
 class Owner:
-    def __init__(self, proc, q, cmd, endpoint, base, size):
+    def __init__(self, proc, q, cmd, endpoint, base, size, secret_fd):
         self.proc, self._q, self._cmd = proc, q, cmd
-        self.endpoint, self.base, self.size = endpoint, base, size
+        self.endpoint, self.base, self.size, self.secret_fd = endpoint, base, size, secret_fd
 
     def ask(self, op: str):
         assert self.proc.is_alive(), f"the owner died (exit code {self.proc.exitcode})"

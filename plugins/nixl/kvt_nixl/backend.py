@@ -124,6 +124,7 @@ class NixlBackend(Backend):
         self._xfers: dict[int, Any] = {}                 # handle -> _Xfer, or NIXL's handle alone
                                                          # for a transfer that finished within its post
         self._leaked: list[Any] = []                     # NIXL handles it would not free yet
+        self._own_blob: bytes | None = None              # our NIXL metadata, to check peers' against
         # bound once: attribute lookups show on the microsecond hot path
         self._make, self._post = self._agent.make_prepped_xfer, self._agent.transfer
 
@@ -171,7 +172,12 @@ class NixlBackend(Backend):
 
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
-        md, regions = unpack(metadata)
+        if self._own_blob is None:  # our connection records: the format a peer's must match
+            try:
+                self._own_blob = self._agent.get_agent_metadata()
+            except Exception as e:
+                raise native.translate(e, "reading our NIXL metadata", TransferError) from e
+        md, regions = unpack(metadata, self._own_blob)
         if md.name == self.agent_name:
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
         with self._lock:

@@ -37,15 +37,8 @@ def pack(name: str, nixl: bytes, regions: dict[MemKind, Descs]) -> bytes:
                                regions={k.value: d.array.tobytes() for k, d in regions.items()}))
 
 
-def check_nixl_blob(blob: bytes, name: str) -> None:
-    """Structural check of NIXL's serialised agent metadata before NIXL sees
-    it (NIXL's own parser trusts lengths and counts; hostile blobs crash it).
-
-    The blob is ``nixlSerDes|`` then records ``tag, u64 length, value, '|'``;
-    every record must fit, the records must use the whole blob, the count
-    records (connections, sections, descriptors) may not promise more records
-    than follow, and the first record must name the agent ``name``.
-    ``WireError`` otherwise."""
+def _records(blob: bytes, name: str) -> list[tuple[bytes, bytes]]:
+    """The ``(tag, value)`` records of a NIXL blob (``WireError`` if they do not parse)."""
     if len(blob) > MAX_NIXL_BYTES:
         raise WireError(f"NIXL metadata of {name!r} is {len(blob)} bytes; the limit is {MAX_NIXL_BYTES}")
     if not blob.startswith(_HEADER):
@@ -62,21 +55,41 @@ def check_nixl_blob(blob: bytes, name: str) -> None:
                     break
         else:
             raise WireError(f"NIXL metadata of {name!r} has a malformed record at byte {i}")
+    return records
+
+
+def check_nixl_blob(blob: bytes, name: str, reference: bytes | None = None) -> None:
+    """Structural check of NIXL's serialised agent metadata before NIXL sees
+    it (NIXL's own parser trusts lengths and counts; hostile blobs crash it).
+
+    The blob is ``nixlSerDes|`` then records ``tag, u64 length, value, '|'``;
+    every record must fit, the records must use the whole blob, the count
+    records (connections, sections, descriptors) may not promise more records
+    than follow, and the first record must name the agent ``name``.  With
+    ``reference`` (our own blob), each connection record's UCX address must
+    carry the same address-format version as ours: UCX asserts (aborts the
+    process) on any other.  ``WireError`` otherwise."""
+    records = _records(blob, name)
     if not records or records[0] != (b"Agent", name.encode()):
         raise WireError(f"NIXL metadata does not belong to agent {name!r}")
     for k, (tag, value) in enumerate(records):
         if tag in _COUNTS:
             if len(value) != 8 or struct.unpack("<Q", value)[0] > len(records) - k - 1:
                 raise WireError(f"NIXL metadata of {name!r}: record {tag.decode()} promises more than follows")
+    ours = {v[0] & 0x0F for t, v in _records(reference, "self") if t == b"c" and v} if reference else set()
+    if ours and any(t == b"c" and (not v or v[0] & 0x0F not in ours) for t, v in records):
+        raise WireError(f"NIXL metadata of {name!r} carries a transport address in a format this "
+                        "UCX does not speak; run the same NIXL/UCX release on both sides")
 
 
-def unpack(data: bytes) -> tuple[NixlMetadata, dict[MemKind, Descs]]:
+def unpack(data: bytes, reference: bytes | None = None) -> tuple[NixlMetadata, dict[MemKind, Descs]]:
     """Decode a peer's metadata and its region table (``WireError`` if
-    malformed), the NIXL blob checked structurally."""
+    malformed), the NIXL blob checked structurally (see ``check_nixl_blob``;
+    ``reference`` is our own NIXL blob)."""
     md = decode(data, NixlMetadata)
     if not 0 < len(md.name) <= 256:
         raise WireError("agent name must be 1 to 256 characters")
-    check_nixl_blob(md.nixl, md.name)
+    check_nixl_blob(md.nixl, md.name, reference)
     try:
         regions = {}
         for kind, rows in md.regions.items():
