@@ -152,7 +152,8 @@ def targets():
         seed = encode(Request(id=1, sender="a", op="WRITE", rows=rows))
 
         def feed(blob):
-            reply = owner._server._answer([zmq.Frame(blob), zmq.Frame(b"\x00" * 4096)])
+            serve = getattr(owner._server, "_answer", owner._server._handle)  # (older kvt: _handle)
+            reply = serve([zmq.Frame(blob), zmq.Frame(b"\x00" * 4096)])
             assert reply is None or isinstance(reply, list)
             assert (guard[: 1 << 16] == 0xA5).all() and (guard[2 << 16:] == 0xA5).all(), "guard bytes changed"
         feed.keep = (owner, guard)

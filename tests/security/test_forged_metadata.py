@@ -80,9 +80,12 @@ def test_segment_bigger_than_its_file_does_not_kill_the_victim(owner):
     segs = np.frombuffer(owner.md.segments, np.uint64).reshape(-1, 3).copy()
     assert len(segs)
     segs[:, 1] *= 64
-    forged = msgspec.structs.replace(owner.md, segments=segs.tobytes())
+    # the claimed region reaches past the segment's end; the victim reads there
+    past = int(segs[0, 0]) + (int(segs[0, 1]) // 64 + REGION)
+    forged = msgspec.structs.replace(owner.md, segments=segs.tobytes(), regions={
+        "DRAM": np.array([[past, REGION, 0]], np.uint64).tobytes()})
     state = _run_victim(encode(forged), write=False)
-    assert "DONE" in state
+    assert "DONE" in state or "ERR" in state
     assert owner.ask("check") == (True, True)
 
 
@@ -97,7 +100,7 @@ def test_segment_naming_a_plain_file_is_not_mapped(owner):
     assert owner.ask("check")[0]  # guards intact (the region itself was legitimately written)
 
 
-@pytest.mark.parametrize("blocks,bases", [(2**26, 64), (2**40, 1), (1, 2**25)])
+@pytest.mark.parametrize("blocks,bases", [(2**26, 64), (2**40, 1), (17, 2**20)])
 def test_peer_layout_is_bounded_before_use(blocks, bases):
     """num_blocks = 2**26 used to cost the victim GiBs when its descriptors were built."""
     raw = msgspec.msgpack.encode({"v": 1, "t": "agent_info", "name": "p", "backend": "host", "metadata": b"",

@@ -11,11 +11,18 @@ import pytest
 import zmq
 from kvt.agent import fetch_info
 from kvt.errors import WireError
-from kvt.handshake import MAX_HANDSHAKE_BYTES, request
+from kvt import handshake
+from kvt.handshake import request
 from kvt.wire import HandshakeReply, decode, encode
-from kvt_host.protocol import (MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, HostMetadata, Reply,
-                               Request)
+from kvt_host import protocol
+from kvt_host.protocol import HostMetadata, Reply, Request
 from owner import REGION, owner_process
+
+# the limits under test (defaults spelled out too, so this file also runs against kvt before them)
+MAX_HANDSHAKE_BYTES = getattr(handshake, "MAX_HANDSHAKE_BYTES", 16 << 20)
+MAX_REQUEST_ROWS = getattr(protocol, "MAX_REQUEST_ROWS", 1 << 16)
+MAX_REQUEST_BYTES = getattr(protocol, "MAX_REQUEST_BYTES", 32 << 20)
+MAX_MESSAGE_BYTES = getattr(protocol, "MAX_MESSAGE_BYTES", MAX_REQUEST_BYTES + 24 * MAX_REQUEST_ROWS + (64 << 10))
 
 WRAP = [(2**64 - 4096, 4096), (2**64 - 1, 1), (2**64 - 65536, 65536)]
 RECV_MS = 20_000
