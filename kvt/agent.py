@@ -230,7 +230,8 @@ class Agent:
         self._check_open()
         if self._server is None:
             self._server = HandshakeServer(self._answer, host or self.config.listen_host,
-                                           self.config.listen_port if port is None else port).start()
+                                           self.config.listen_port if port is None else port,
+                                           refuse=lambda e: encode(HandshakeReply(error="malformed request"))).start()
         return self._server.endpoint
 
     @property

@@ -337,20 +337,33 @@ def take_handle(preps: HandleTable, xfers: HandleTable, handle):
 
 
 class Inbox:
-    """Notifications received, by sender, in arrival order (thread-safe)."""
+    """Notifications received, by sender, in arrival order (thread-safe).
 
-    def __init__(self) -> None:
+    Bounded: at most ``max_msgs`` messages and ``max_bytes`` bytes wait
+    unread; ``deliver`` refuses (returns False) beyond that, so peers that
+    flood us cost a bounded amount of memory until the engine reads.
+    """
+
+    def __init__(self, max_msgs: int = 1 << 16, max_bytes: int = 64 << 20) -> None:
         self._lock = threading.Lock()
         self._msgs: dict[str, list[bytes]] = {}
+        self._count = self._bytes = 0
+        self.max_msgs, self.max_bytes = max_msgs, max_bytes
 
-    def deliver(self, sender: str, msg: bytes) -> None:
+    def deliver(self, sender: str, msg: bytes) -> bool:
         with self._lock:
+            if self._count >= self.max_msgs or self._bytes + len(msg) > self.max_bytes:
+                return False
             self._msgs.setdefault(sender, []).append(msg)
+            self._count += 1
+            self._bytes += len(msg)
+        return True
 
     def take(self) -> dict[str, list[bytes]]:
         """Everything received since the last call."""
         with self._lock:
             out, self._msgs = self._msgs, {}
+            self._count = self._bytes = 0
         return out
 
 

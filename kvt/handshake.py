@@ -16,29 +16,43 @@ from typing import Callable
 
 import zmq
 
-from .errors import HandshakeError, HandshakeTimeout, InvalidArgument
+from .errors import HandshakeError, HandshakeTimeout, InvalidArgument, KvtError
 
 __all__ = ["RouterServer", "HandshakeServer", "request"]
 
 log = logging.getLogger(__name__)
 _POLL_MS = 100  # how often the server thread checks for close()
+#: largest handshake message a server or client accepts (ZMQ drops the connection of a bigger one)
+MAX_HANDSHAKE_BYTES = 16 << 20
+_HWM = 4
 
 
 class RouterServer:
     """A daemon thread answering multipart messages on a ZMQ ROUTER socket.
 
     ``handle(frames)`` gets the frames after the sender's identity and
-    returns the reply frames, or ``None`` for no reply.  It must not raise;
-    an exception is logged and the message dropped, and serving goes on.
-    ``copy=False`` hands ``zmq.Frame`` objects (zero-copy) to ``handle``.
+    returns the reply frames, or ``None`` for no reply.  Should it raise
+    anyway, ``refuse(frames, error)`` builds the reply (the peer always hears
+    back, with a typed refusal) and serving goes on; nothing a peer sends
+    stops the thread.  ``copy=False`` hands ``zmq.Frame`` objects (zero-copy)
+    to ``handle``.  ``max_msg_bytes`` caps every inbound message: ZMQ
+    disconnects a peer that sends a bigger one before it is buffered.
     Bound to ``host`` (port 0 = any free port); ``endpoint`` says where.
+    ZMQ's ROUTER queues each peer's messages apart and takes them in turn,
+    so with bounded work per message no peer starves another.
     """
 
     def __init__(self, handle: Callable[[list], list | None], host: str = "127.0.0.1", port: int = 0,
-                 *, name: str = "kvt-router", copy: bool = True):
-        self._handle, self._copy = handle, copy
+                 *, name: str = "kvt-router", copy: bool = True, max_msg_bytes: int = MAX_HANDSHAKE_BYTES,
+                 refuse: Callable[[list, Exception], list | None] | None = None):
+        self._handle, self._copy, self._refuse = handle, copy, refuse
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        # a few messages queued per peer each way: a peer that floods requests, or never reads its
+        # replies, is throttled by TCP back-pressure (or loses replies) instead of filling our memory
+        self._sock.setsockopt(zmq.RCVHWM, _HWM)
+        self._sock.setsockopt(zmq.SNDHWM, _HWM)
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
@@ -63,18 +77,32 @@ class RouterServer:
                 if not sock.poll(_POLL_MS):
                     continue
                 ident, *frames = sock.recv_multipart(copy=self._copy)
-                try:
-                    reply = self._handle(frames)
-                except Exception:  # one bad message must not stop the server
-                    log.exception("%s: handler failed", self._thread.name)
-                    continue
+                reply = self._answer(frames)
                 if reply is not None:
-                    sock.send_multipart([ident, *reply], copy=self._copy)
+                    try:
+                        sock.send_multipart([ident, *reply], copy=self._copy)
+                    except zmq.Again:
+                        pass  # that peer stopped reading; it gets no more than it asked for
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 log.error("%s stopped: %s", self._thread.name, e)
         finally:
             sock.close()
+
+    def _answer(self, frames: list) -> list | None:
+        try:
+            return self._handle(frames)
+        except Exception as e:  # noqa: BLE001 - one bad message must not stop the server
+            # malformed bytes are routine from a hostile peer (debug, so they cannot flood the log)
+            log.log(logging.DEBUG if isinstance(e, KvtError) else logging.WARNING,
+                    "%s: refused a message: %s: %s", self._thread.name, type(e).__name__, e)
+            if self._refuse is None:
+                return None
+            try:
+                return self._refuse(frames, e)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: cannot even refuse", self._thread.name)
+                return None
 
     def close(self) -> None:
         """Stop serving (idempotent); returns once the socket is closed."""
@@ -93,18 +121,18 @@ class RouterServer:
 
 class HandshakeServer(RouterServer):
     """Serve ``provider(request) -> reply`` to ``request()`` clients.  A
-    provider that raises answers with empty bytes and the server goes on."""
+    provider that raises answers with ``refuse(error)`` (default: empty
+    bytes) and the server goes on."""
 
-    def __init__(self, provider: Callable[[bytes], bytes], host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, provider: Callable[[bytes], bytes], host: str = "127.0.0.1", port: int = 0,
+                 refuse: Callable[[Exception], bytes] = lambda e: b""):
         def answer(frames: list) -> list:  # a REQ client sends [b"", body]
-            try:
-                reply = provider(frames[-1])
-            except Exception:
-                log.exception("handshake provider failed")
-                reply = b""
-            return [*frames[:-1], reply]
+            if len(frames) != 2 or frames[0]:
+                raise ValueError(f"expected a REQ envelope of 2 frames, got {len(frames)}")
+            return [b"", provider(frames[1])]
 
-        super().__init__(answer, host, port, name="kvt-handshake")
+        super().__init__(answer, host, port, name="kvt-handshake",
+                         refuse=lambda frames, e: [b"", refuse(e)])
 
 
 def request(endpoint: str, payload: bytes, timeout: float) -> bytes:
@@ -119,6 +147,7 @@ def request(endpoint: str, payload: bytes, timeout: float) -> bytes:
     sock = zmq.Context.instance().socket(zmq.REQ)
     ms = max(1, int(timeout * 1000))
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_HANDSHAKE_BYTES)
     sock.setsockopt(zmq.SNDTIMEO, ms)
     sock.setsockopt(zmq.RCVTIMEO, ms)
     try:

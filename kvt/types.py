@@ -15,11 +15,11 @@ from typing import Any, ClassVar, Iterable, NewType, Sequence
 import msgspec
 import numpy as np
 
-from .errors import InvalidArgument, TransferError
+from .errors import InvalidArgument, InvalidDescriptor, TransferError
 
 __all__ = [
     "MemKind", "Op", "Status", "XferState", "Capabilities", "Availability",
-    "Descs", "RegHandle", "PrepHandle", "XferHandle", "as_index",
+    "Descs", "RegHandle", "PrepHandle", "XferHandle", "as_index", "row_ends",
 ]
 
 RegHandle = NewType("RegHandle", int)
@@ -155,6 +155,16 @@ def as_index(idx: Any, n: int, what: str = "index") -> np.ndarray:
 
 
 _INT64 = np.dtype(np.int64)
+
+
+def row_ends(addrs: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``addr + length`` of each row and a mask of the rows whose end does not
+    wrap past 2**64.  The one place kvt adds an address to a length: uint64
+    addition wraps silently, so every range check must drop the rows this
+    mask clears (``(2**64 - 4096, 4096)`` would otherwise end at 0)."""
+    a, n = np.asarray(addrs, np.uint64), np.asarray(lengths, np.uint64)
+    ends = a + n
+    return ends, ends >= a
 
 
 class Descs:
@@ -329,7 +339,8 @@ class Descs:
                 continue
             order = rsel[np.argsort(regions.addrs[rsel], kind="stable")]
             starts = regions.addrs[order]
-            ends = starts + regions.lengths[order]
+            ends, fits = row_ends(starts, regions.lengths[order])
+            ends = np.where(fits, ends, starts)  # a region that wraps contains nothing
             best_end = np.maximum.accumulate(ends)
             # index (into order) of the region achieving the running max end
             arg = np.maximum.accumulate(np.where(ends == best_end, np.arange(len(ends)), 0))
@@ -337,16 +348,35 @@ class Descs:
             pos = np.searchsorted(starts, a, side="right") - 1
             ok = pos >= 0
             posc = np.where(ok, pos, 0)
-            ok &= a + n <= best_end[posc]
+            end, fits = row_ends(a, n)
+            ok &= fits & (end <= best_end[posc])
             out[dsel] = np.where(ok, order[arg[posc]], -1)
         return out
+
+    def check_rows(self, what: str, *, max_rows: int | None = None, max_bytes: int | None = None) -> None:
+        """Refuse rows no transfer or registration can mean: zero length, an
+        end past 2**64, more than ``max_rows`` rows or ``max_bytes`` in all
+        (``InvalidDescriptor`` naming the first bad row).  The byte total is
+        summed without wrapping.  For lists that come from a peer."""
+        if max_rows is not None and len(self) > max_rows:
+            raise InvalidDescriptor(f"{what}: {len(self)} rows, more than the limit of {max_rows}")
+        _, fits = row_ends(self.addrs, self.lengths)
+        bad = np.flatnonzero(~fits | (self.lengths == 0))
+        if bad.size:
+            a, n, _ = (int(x) for x in self.array[bad[0]])
+            raise InvalidDescriptor(f"{what}: row {int(bad[0])} (address {a:#x}, length {n}) is empty or "
+                                    "ends past the top of the address space")
+        if max_bytes is not None:
+            n = self.lengths  # the float sum screens out totals that would wrap the exact uint64 sum
+            if (n > np.uint64(max_bytes)).any() or n.sum(dtype=np.float64) > 2.0 ** 62 \
+                    or int(n.sum(dtype=np.uint64)) > max_bytes:
+                raise InvalidDescriptor(f"{what}: more than the limit of {max_bytes} bytes in one request")
 
     def check_within(self, regions: "Descs", what: str = "descriptors") -> np.ndarray:
         """``locate``, raising ``InvalidDescriptor`` naming the first row outside."""
         where = self.locate(regions)
         bad = np.flatnonzero(where < 0)
         if bad.size:
-            from .errors import InvalidDescriptor
             i = int(bad[0])
             a, n, d = (int(x) for x in self.array[i])
             raise InvalidDescriptor(

@@ -20,9 +20,13 @@ from .errors import VersionMismatch, WireError
 from .types import Descs
 
 __all__ = ["WIRE_VERSION", "Message", "BlockLayout", "AgentInfo", "HandshakeRequest",
-           "HandshakeReply", "encode", "decode"]
+           "HandshakeReply", "encode", "decode", "MAX_LAYOUT_ROWS"]
 
 WIRE_VERSION = 1
+#: most descriptor rows (blocks x regions) a peer's BlockLayout may describe: 16 Mi rows
+#: (384 MiB of descriptors, e.g. 100,000 blocks x 160 K/V regions); more is refused at decode
+MAX_LAYOUT_ROWS = 1 << 24
+_MAX_ADDR = 1 << 64
 
 
 class Message(msgspec.Struct, frozen=True, tag_field="t", kw_only=True):
@@ -45,6 +49,20 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
     stride: int
     device: int = 0
     kind: str = "DRAM"
+
+    def __post_init__(self):
+        # a peer's layout is untrusted: bound what descs() would allocate, and let no block wrap
+        if self.block_len <= 0 or self.stride < 0 or self.num_blocks < 0 or not 0 <= self.device < _MAX_ADDR:
+            raise ValueError(f"layout needs block_len > 0, stride >= 0, num_blocks >= 0 and a valid "
+                             f"device (got {self.block_len}, {self.stride}, {self.num_blocks}, {self.device})")
+        if self.num_blocks * len(self.base_addrs) > MAX_LAYOUT_ROWS:
+            raise ValueError(f"layout of {self.num_blocks} blocks x {len(self.base_addrs)} regions exceeds "
+                             f"the limit of {MAX_LAYOUT_ROWS} descriptor rows")
+        span = (self.num_blocks - 1) * self.stride + self.block_len if self.num_blocks else 0
+        if any(not 0 <= b or b + span > _MAX_ADDR for b in self.base_addrs):
+            raise ValueError("layout region runs past the top of the address space")
+        if self.kind not in ("DRAM", "VRAM", "DEVICE"):
+            raise ValueError(f"unknown memory kind {self.kind!r}")
 
     def descs(self) -> Descs:
         """Every block of every region, region-major (one numpy broadcast)."""
@@ -98,12 +116,12 @@ def decode(data: bytes, type: type[M]) -> M:  # noqa: A002 - mirrors msgspec's A
         raise WireError(f"expected bytes, got {data.__class__.__name__}")
     try:
         env = _envelope.decode(data)
-    except msgspec.DecodeError as e:
-        raise WireError(f"malformed kvt message ({len(data)} bytes): {e}") from e
+    except Exception as e:  # noqa: BLE001 - DecodeError, and RecursionError/MemoryError on hostile nesting
+        raise WireError(f"malformed kvt message ({len(data)} bytes): {e.__class__.__name__}: {e}") from e
     if env.v != WIRE_VERSION:
         raise VersionMismatch(f"peer speaks kvt wire version {env.v}, this kvt speaks {WIRE_VERSION}; "
                               "run the same kvt release on both sides")
     try:
         return msgspec.msgpack.decode(data, type=type)
-    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
-        raise WireError(f"malformed {type.__name__} (tag {env.t!r}): {e}") from e
+    except Exception as e:  # noqa: BLE001 - ValidationError (__post_init__ too), RecursionError, ...
+        raise WireError(f"malformed {type.__name__} (tag {env.t!r}): {e.__class__.__name__}: {e}") from e

@@ -23,6 +23,7 @@ import select
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
@@ -33,18 +34,19 @@ import zmq
 from kvt import memory
 from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
 from kvt.procs import host_id, start_time
-from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, KvtTimeoutError,
+from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, KvtError, KvtTimeoutError,
                         PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState)
 from kvt.wire import decode, encode
 
 from . import memops
-from .protocol import HostMetadata, Reply, Request, rows_of
+from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, HostMetadata, Reply, Request, chunks, rows_of
 from .server import Server
 from .staging import Mirrors
 
 _TRANSPORTS = ("auto", "cma", "tcp")
+_LIVE: "weakref.WeakValueDictionary[str, HostBackend]" = weakref.WeakValueDictionary()  # by server endpoint
 _POLL = 0.05  # seconds between liveness checks while waiting on a peer
 
 
@@ -152,12 +154,8 @@ class _Peer:
         self.update(md, transport)
 
     def update(self, md: HostMetadata, transport: str) -> None:
-        self.md = md
-        try:
-            self.regions = {MemKind(k): Descs(rows_of(v), k) for k, v in md.regions.items()}
-            segs = rows_of(md.segments)
-        except ValueError as e:
-            raise WireError(f"bad region table in metadata of {md.name!r}: {e}") from e
+        regions, segs = _checked(md)
+        self.md, self.regions = md, regions
         # on this host we can watch the peer's process; shm/cma also need transport != tcp
         self.local_pid = md.host_id == host_id() and start_time(md.pid) == md.start_time
         self.same_host = self.local_pid and transport != "tcp"
@@ -167,10 +165,10 @@ class _Peer:
         if self.same_host and transport == "auto":
             for base, size, fd in segs.tolist():
                 if base not in self._maps:
-                    try:
-                        self._maps[base] = (memops.mmap_fd(f"/proc/{md.pid}/fd/{fd}", size), size)
+                    try:  # the size we map is the file's own (fstat), never more than it holds
+                        self._maps[base] = memops.mmap_fd(f"/proc/{md.pid}/fd/{fd}", size)
                     except OSError:
-                        pass  # not allowed to map it: cma or tcp will do
+                        pass  # not allowed to map it (or smaller than claimed): cma or tcp will do
         bases = np.array(list(self._maps), np.uint64)
         sizes = np.array([s for _, s in self._maps.values()], np.uint64)
         self._seg_rows = Descs.from_regions(bases, sizes)
@@ -210,6 +208,7 @@ class _Peer:
         if self._sock is None:  # created and used only on this peer's worker thread
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a reply holds at most one request's data
             self._sock.connect(self.md.endpoint)
         return self._sock
 
@@ -220,6 +219,36 @@ class _Peer:
         for addr, size in self._maps.values():
             memops.munmap(addr, size)
         self._maps.clear()
+
+
+def _checked(md: HostMetadata) -> tuple[dict[MemKind, Descs], np.ndarray]:
+    """A peer's region and segment tables, validated (``WireError``): known
+    kinds, no empty or wrapping rows, and never our own process, so forged
+    metadata cannot turn our cma/shm paths on our own memory."""
+    try:
+        regions = {MemKind(k): Descs(rows_of(v), k) for k, v in md.regions.items()}
+        for kind, d in regions.items():
+            d.check_rows(f"{kind.value} regions")
+        segs = rows_of(md.segments)
+        Descs.from_regions(segs[:, 0], segs[:, 1]).check_rows("segments")
+    except (ValueError, KvtError) as e:
+        raise WireError(f"bad region table in metadata of {md.name!r}: {e}") from e
+    if len(md.name) > MAX_NAME or not md.name:
+        raise WireError(f"peer name must be 1 to {MAX_NAME} characters")
+    if not md.endpoint.startswith("tcp://") or len(md.endpoint) > MAX_NAME:
+        raise WireError(f"peer {md.name!r} advertises endpoint {md.endpoint[:80]!r}; expected tcp://host:port")
+    if md.pid == os.getpid() and md.host_id == host_id():
+        # a peer in this very process is real only if it is a live backend here, and then its
+        # claimed memory must be memory it registered: else forged metadata would aim our
+        # cma/shm paths at our own unregistered memory
+        twin = _LIVE.get(md.endpoint)
+        if twin is None or twin.agent_name != md.name or any(
+                (d.locate(twin._regions.of(k)) < 0).any() for k, d in regions.items()):
+            raise WireError(f"metadata of {md.name!r} claims this very process (pid {md.pid}) but no such "
+                            "agent lives here with that memory; refused")
+    if not 0 < md.pid < 1 << 22:
+        raise WireError(f"metadata of {md.name!r} carries pid {md.pid}, not a Linux pid")
+    return regions, segs
 
 
 class HostBackend(Backend):
@@ -260,6 +289,7 @@ class HostBackend(Backend):
             self._server = Server(self, listen, self.options.get("advertise_host", listen))
         except HandshakeError as e:  # RouterServer's bind failure
             raise ConfigError(f"host backend: {e}; set option 'listen_host'") from e
+        _LIVE[self._server.endpoint] = self
 
     # -- memory ---------------------------------------------------------------
 
@@ -472,13 +502,17 @@ class HostBackend(Backend):
 
     def _move_tcp(self, job: _Job, peer: _Peer, local: np.ndarray) -> None:
         read = job.op is Op.READ
-        payload = None if read else memops.gather(local)
-        frames = self._request(peer, Request(id=self._next_id(), sender=self.agent_name, op=job.op.value,
-                                             kind=job.rkind.value, rows=job.rrows.tobytes()), payload, job)
-        if read:
-            if len(frames) != 2:
-                raise TransferError(f"peer {peer.name!r} answered a READ without data")
-            memops.scatter(local, frames[1].buffer)
+        # one request per slice within the owner's limits (protocol.MAX_REQUEST_*)
+        paired = np.column_stack([local[:, 0], job.rrows[:, 0], job.rrows[:, 1], job.rrows[:, 2]])
+        for part in chunks(paired):
+            lrows, rrows = part[:, [0, 2]], part[:, [1, 2, 3]]
+            payload = None if read else memops.gather(lrows)
+            frames = self._request(peer, Request(id=self._next_id(), sender=self.agent_name, op=job.op.value,
+                                                 kind=job.rkind.value, rows=rrows.tobytes()), payload, job)
+            if read:
+                if len(frames) != 2:
+                    raise TransferError(f"peer {peer.name!r} answered a READ without data")
+                memops.scatter(lrows, frames[1].buffer)
 
     def _request(self, peer: _Peer, req: Request, payload, job: _Job) -> list:
         sock = peer.socket()
@@ -494,7 +528,7 @@ class HostBackend(Backend):
                 if rep.id != req.id:
                     continue  # a late answer to a request that already timed out
                 if rep.error:
-                    cls = RemoteRejected if rep.code == "out_of_region" else TransferError
+                    cls = RemoteRejected if rep.code else TransferError
                     raise cls(f"peer {peer.name!r} refused {req.op}: {rep.error}")
                 return frames
             if not peer.alive():
@@ -532,6 +566,7 @@ class HostBackend(Backend):
             p.lane.submit(p.close)
             p.lane.pool.shutdown(wait=True)  # queued jobs are already ERR and return at once
         self._local.pool.shutdown(wait=True)
+        _LIVE.pop(self._server.endpoint, None)
         self._server.close()
         self._peers.clear()
         self._xfers.clear()

@@ -19,17 +19,25 @@ __all__ = ["memcopy", "gather", "scatter", "cma", "mmap_fd", "munmap"]
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def mmap_fd(path: str, size: int) -> int:
-    """Map a shared file read/write, pre-faulted; returns the address."""
+def mmap_fd(path: str, size: int) -> tuple[int, int]:
+    """Map a shared file read/write, pre-faulted; returns (address, size).
+
+    ``size`` is what the peer claims; the file's own size (fstat) must hold
+    it (``OSError`` EINVAL otherwise), so touching the mapping can never run
+    past the end of the file (SIGBUS)."""
+    if not os.readlink(path).startswith("/memfd:kvt"):  # only kvt's segments, never a file the process has open
+        raise OSError(errno.EACCES, f"{path} is not a kvt shared segment")
     fd = os.open(path, os.O_RDWR)
     try:
+        if not 0 < size <= os.fstat(fd).st_size:
+            raise OSError(errno.EINVAL, f"segment claims {size} bytes, the file holds {os.fstat(fd).st_size}")
         addr = _mmap(None, size, 0x3, 0x01 | 0x8000, fd, 0)  # PROT_READ|WRITE, MAP_SHARED|POPULATE
     finally:
         os.close(fd)
     if addr in (None, ctypes.c_void_p(-1).value):
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
-    return addr
+    return addr, size
 
 
 def munmap(addr: int, size: int) -> None:

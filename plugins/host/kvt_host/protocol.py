@@ -4,7 +4,16 @@ server thread answers.  Built on kvt.wire, so they carry its version check."""
 from __future__ import annotations
 
 import numpy as np
+from kvt.errors import WireError
 from kvt.wire import Message
+
+#: work one request may ask of the owner's server thread; initiators split bigger transfers
+#: (so one peer's huge transfer is many requests, and ZMQ serves peers' requests in turn)
+MAX_REQUEST_ROWS = 1 << 16
+MAX_REQUEST_BYTES = 32 << 20
+#: the biggest message the server accepts: a full WRITE plus its row table and envelope
+MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES + 24 * MAX_REQUEST_ROWS + (64 << 10)
+MAX_NAME = 256  # characters of an agent name on the wire
 
 
 class HostMetadata(Message, tag="host_md"):
@@ -40,6 +49,33 @@ class Reply(Message, tag="host_rep"):
 
 
 def rows_of(data: bytes) -> np.ndarray:
+    """A peer's ``(k, 3)`` uint64 row table (``WireError`` if it is not one)."""
     if len(data) % 24:
-        raise ValueError(f"row payload of {len(data)} bytes is not a whole number of (addr, len, dev) rows")
+        raise WireError(f"row payload of {len(data)} bytes is not a whole number of (addr, len, dev) rows")
     return np.frombuffer(data, np.uint64).reshape(-1, 3)
+
+
+def chunks(rows: np.ndarray, max_rows: int = MAX_REQUEST_ROWS, max_bytes: int = MAX_REQUEST_BYTES):
+    """Split paired rows ``(k, 4)`` of ``(local address, remote address,
+    length, remote device)`` into slices each within the server's per-request limits,
+    cutting rows longer than half of ``max_bytes`` into pieces.  Vectorised:
+    the Python loop runs once per request, not per row."""
+    half = max(1, max_bytes // 2)
+    n = rows[:, 2]
+    pieces = np.maximum(1, (n + np.uint64(half - 1)) // np.uint64(half)).astype(np.int64)
+    if (pieces > 1).any():  # cut long rows; pieces of one row are consecutive
+        idx = np.repeat(np.arange(len(rows)), pieces)
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        off = (np.arange(len(idx)) - first).astype(np.uint64) * np.uint64(half)
+        rows = rows[idx].copy()
+        rows[:, 0] += off
+        rows[:, 1] += off
+        rows[:, 2] = np.minimum(n[idx] - off, np.uint64(half))
+        n = rows[:, 2]
+    # every piece <= half, so a group of pieces starting below each multiple of half stays < max_bytes
+    start = np.cumsum(n, dtype=np.uint64) - n
+    group = (start // np.uint64(half)).astype(np.int64)
+    cuts = np.flatnonzero(np.diff(group)) + 1
+    for part in np.split(rows, cuts) if len(rows) else ():
+        for s in range(0, len(part), max_rows):
+            yield part[s:s + max_rows]

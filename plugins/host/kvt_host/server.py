@@ -1,66 +1,102 @@
 """The owner side: one thread with a ZMQ ROUTER socket that serves peers'
 READ and WRITE requests and receives their notifications.
 
-It only ever touches rows that lie wholly inside memory this agent
-registered (checked before any byte moves); anything else is refused with an
-``out_of_region`` reply and the server keeps serving.
+Every byte of a request is hostile until checked.  The server only ever
+touches rows that lie wholly inside memory this agent registered (checked,
+without wrapping arithmetic, before any byte moves); a request is bounded
+(``MAX_REQUEST_ROWS`` rows, ``MAX_REQUEST_BYTES`` bytes, ``MAX_MESSAGE_BYTES``
+per message, enforced by ZMQ before buffering); notifications are bounded in
+size and in how many may wait unread.  Anything else gets a typed refusal
+(``Reply.code``) and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import logging
 
-from kvt.errors import KvtError
+from kvt.errors import InvalidDescriptor, KvtError
 from kvt.handshake import RouterServer
 from kvt.types import Descs, MemKind
 from kvt.wire import decode, encode
 
 from .memops import gather, scatter
-from .protocol import Reply, Request, rows_of
+from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, Reply, Request, rows_of
 
 log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A request the server will not serve; ``code`` goes back in the Reply."""
+
+    def __init__(self, code: str, msg: str):
+        super().__init__(msg)
+        self.code = code
+
 
 class Server(RouterServer):
     def __init__(self, backend, host: str, advertise: str):
         self._b = backend
-        super().__init__(self._handle, host, name="kvt-host-server", copy=False)
+        super().__init__(self._handle, host, name="kvt-host-server", copy=False,
+                         max_msg_bytes=MAX_MESSAGE_BYTES, refuse=self._refuse)
         self.endpoint = self.endpoint.replace(f"//{host}:", f"//{advertise}:", 1)
         self.start()
 
+    @staticmethod
+    def _refusal(rid: int, e: Exception) -> list:
+        """Whatever went wrong, the initiator hears why, as a typed code."""
+        code = e.code if isinstance(e, Refused) else "bad_request"
+        what = str(e) if isinstance(e, (Refused, KvtError)) else f"{type(e).__name__}: {e}"
+        return [encode(Reply(id=rid, error=what[:1024], code=code))]
+
+    def _refuse(self, frames, e: Exception) -> list:
+        return self._refusal(-1, e)  # not even a request id could be read
+
     def _handle(self, frames) -> list | None:
+        req = decode(frames[0].bytes, Request)  # WireError -> refused with id -1
         try:
-            req = decode(frames[0].bytes, Request)
-        except KvtError as e:
-            log.warning("dropping malformed request: %s", e)
-            return [encode(Reply(id=-1, error=str(e), code="bad_request"))]
+            return self._serve_request(req, frames)
+        except Exception as e:  # noqa: BLE001 - the server never dies and always answers
+            return self._refusal(req.id, e)
+
+    def _serve_request(self, req: Request, frames) -> list | None:
+        if len(req.sender) > MAX_NAME:
+            raise Refused("bad_request", f"sender name longer than {MAX_NAME} characters")
         if req.op == "NOTIF":
-            self._b._inbox.deliver(req.sender, req.msg)
+            if len(frames) != 1 or len(req.msg) > self._b.capabilities.max_notif_bytes:
+                raise Refused("too_large", f"notification of {len(req.msg)} bytes; the limit is "
+                                           f"{self._b.capabilities.max_notif_bytes}")
+            if not self._b._inbox.deliver(req.sender, req.msg):
+                raise Refused("busy", f"{self._b.agent_name!r} has too many unread notifications")
             return None
+        if req.op not in ("READ", "WRITE"):
+            raise Refused("bad_request", f"unknown op {req.op!r}")
         try:
             kind = MemKind(req.kind)
-            rows = rows_of(req.rows)
-            if req.op not in ("READ", "WRITE"):
-                raise ValueError(f"unknown op {req.op!r}")
-        except ValueError as e:
-            return [encode(Reply(id=req.id, error=str(e), code="bad_request"))]
+        except ValueError:
+            raise Refused("bad_request", f"unknown memory kind {req.kind!r}") from None
+        rows = rows_of(req.rows)
+        if not len(rows):
+            raise Refused("bad_request", f"{req.op} request without rows")
+        try:
+            Descs(rows).check_rows(f"{req.op} request", max_rows=MAX_REQUEST_ROWS, max_bytes=MAX_REQUEST_BYTES)
+        except InvalidDescriptor as e:
+            raise Refused("bad_request", str(e)) from None
         if (Descs(rows).locate(self._b._regions.of(kind)) < 0).any():
-            return [encode(Reply(id=req.id, code="out_of_region",
-                                 error=f"{req.sender!r} asked to {req.op} {kind.value} memory that "
-                                       f"{self._b.agent_name!r} did not register"))]
+            raise Refused("out_of_region", f"{req.sender!r} asked to {req.op} {kind.value} memory that "
+                                           f"{self._b.agent_name!r} did not register")
         staged = kind is not MemKind.DRAM
         local = rows[:, :2].copy()
-        try:
+        if staged:
+            local[:, 0] = self._b._mirrors.translate(rows)[0]
+        if req.op == "READ":
+            if len(frames) != 1:
+                raise Refused("bad_request", "READ request with a payload frame")
             if staged:
-                local[:, 0] = self._b._mirrors.translate(rows)[0]
-            if req.op == "READ":
-                if staged:
-                    self._b._mirrors.to_host(rows)
-                return [encode(Reply(id=req.id)), gather(local)]
-            if len(frames) != 2:
-                raise ValueError("WRITE request without a payload frame")
-            scatter(local, frames[1].buffer)
-            if staged:
-                self._b._mirrors.to_device(rows)
-            return [encode(Reply(id=req.id))]
-        except (ValueError, BufferError, OSError, KvtError) as e:
-            return [encode(Reply(id=req.id, error=str(e), code="bad_request"))]
+                self._b._mirrors.to_host(rows)
+            return [encode(Reply(id=req.id)), gather(local)]
+        if len(frames) != 2:
+            raise Refused("bad_request", "WRITE request without exactly one payload frame")
+        scatter(local, frames[1].buffer)  # BufferError if the payload does not match the rows
+        if staged:
+            self._b._mirrors.to_device(rows)
+        return [encode(Reply(id=req.id))]

@@ -124,6 +124,7 @@ class NixlBackend(Backend):
         self._xfers: dict[int, Any] = {}                 # handle -> _Xfer, or NIXL's handle alone
                                                          # for a transfer that finished within its post
         self._leaked: list[Any] = []                     # NIXL handles it would not free yet
+        self._own_blob: bytes | None = None              # our NIXL metadata, to check peers' against
         # bound once: attribute lookups show on the microsecond hot path
         self._make, self._post = self._agent.make_prepped_xfer, self._agent.transfer
 
@@ -171,7 +172,12 @@ class NixlBackend(Backend):
 
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
-        md, regions = unpack(metadata)
+        if self._own_blob is None:  # our connection records: the format a peer's must match
+            try:
+                self._own_blob = self._agent.get_agent_metadata()
+            except Exception as e:
+                raise native.translate(e, "reading our NIXL metadata", TransferError) from e
+        md, regions = unpack(metadata, self._own_blob)
         if md.name == self.agent_name:
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
         with self._lock:
@@ -182,11 +188,16 @@ class NixlBackend(Backend):
                 # common, e.g. UCX_TLS differs) cannot be paired with us
                 raise native.translate(e, f"loading the NIXL metadata of {md.name!r}", WireError,
                                        {"NIXL_ERR_BACKEND": IncompatiblePeer}) from e
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            if name != md.name:
-                if name not in self._peers:
-                    self._agent.remove_remote_agent(name)
+            if name not in (md.name, md.name.encode()):
+                # never leave a half-loaded peer behind (unless it is one we had loaded before)
+                if md.name not in self._peers:
+                    for n in {name, md.name}:
+                        try:
+                            self._agent.remove_remote_agent(n)
+                        except Exception:  # noqa: BLE001 - not loaded under that name
+                            pass
                 raise WireError(f"metadata says agent {md.name!r} but its NIXL part belongs to {name!r}")
+            name = md.name
             self._peers[name] = regions
             self._retire(lambda p: p.peer == name)  # NIXL refuses lists prepped before a reload
         return name

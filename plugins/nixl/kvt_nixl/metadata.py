@@ -9,12 +9,21 @@ travel next to it: a peer validates every remote descriptor list at
 
 from __future__ import annotations
 
+import re
+import struct
+
 import numpy as np
 from kvt.errors import WireError
 from kvt.types import Descs, MemKind
 from kvt.wire import Message, decode, encode
 
-__all__ = ["NixlMetadata", "pack", "unpack"]
+__all__ = ["NixlMetadata", "pack", "unpack", "check_nixl_blob", "MAX_NIXL_BYTES"]
+
+#: largest NIXL blob a peer may hand us (a few hundred bytes per registered region)
+MAX_NIXL_BYTES = 16 << 20
+_HEADER = b"nixlSerDes|"
+_TAG = re.compile(rb"[A-Za-z]{0,16}")
+_COUNTS = (b"Conns", b"nixlSecElms", b"n")  # records whose value counts the records that follow
 
 
 class NixlMetadata(Message, tag="nixl_md"):
@@ -28,15 +37,66 @@ def pack(name: str, nixl: bytes, regions: dict[MemKind, Descs]) -> bytes:
                                regions={k.value: d.array.tobytes() for k, d in regions.items()}))
 
 
-def unpack(data: bytes) -> tuple[NixlMetadata, dict[MemKind, Descs]]:
-    """Decode a peer's metadata and its region table (``WireError`` if malformed)."""
+def _records(blob: bytes, name: str) -> list[tuple[bytes, bytes]]:
+    """The ``(tag, value)`` records of a NIXL blob (``WireError`` if they do not parse)."""
+    if len(blob) > MAX_NIXL_BYTES:
+        raise WireError(f"NIXL metadata of {name!r} is {len(blob)} bytes; the limit is {MAX_NIXL_BYTES}")
+    if not blob.startswith(_HEADER):
+        raise WireError(f"NIXL metadata of {name!r} lacks the nixlSerDes header")
+    records, i, end = [], len(_HEADER), len(blob)
+    while i < end:
+        for tl in range(len(_TAG.match(blob, i, i + 16).group()), -1, -1):  # longest tag whose record fits
+            j = i + tl + 8
+            if j <= end:
+                (n,) = struct.unpack_from("<Q", blob, i + tl)
+                if n < end - j and blob[j + n] == 0x7C:  # '|'
+                    records.append((blob[i:i + tl], blob[j:j + n]))
+                    i = j + n + 1
+                    break
+        else:
+            raise WireError(f"NIXL metadata of {name!r} has a malformed record at byte {i}")
+    return records
+
+
+def check_nixl_blob(blob: bytes, name: str, reference: bytes | None = None) -> None:
+    """Structural check of NIXL's serialised agent metadata before NIXL sees
+    it (NIXL's own parser trusts lengths and counts; hostile blobs crash it).
+
+    The blob is ``nixlSerDes|`` then records ``tag, u64 length, value, '|'``;
+    every record must fit, the records must use the whole blob, the count
+    records (connections, sections, descriptors) may not promise more records
+    than follow, and the first record must name the agent ``name``.  With
+    ``reference`` (our own blob), each connection record's UCX address must
+    carry the same address-format version as ours: UCX asserts (aborts the
+    process) on any other.  ``WireError`` otherwise."""
+    records = _records(blob, name)
+    if not records or records[0] != (b"Agent", name.encode()):
+        raise WireError(f"NIXL metadata does not belong to agent {name!r}")
+    for k, (tag, value) in enumerate(records):
+        if tag in _COUNTS:
+            if len(value) != 8 or struct.unpack("<Q", value)[0] > len(records) - k - 1:
+                raise WireError(f"NIXL metadata of {name!r}: record {tag.decode()} promises more than follows")
+    ours = {v[0] & 0x0F for t, v in _records(reference, "self") if t == b"c" and v} if reference else set()
+    if ours and any(t == b"c" and (not v or v[0] & 0x0F not in ours) for t, v in records):
+        raise WireError(f"NIXL metadata of {name!r} carries a transport address in a format this "
+                        "UCX does not speak; run the same NIXL/UCX release on both sides")
+
+
+def unpack(data: bytes, reference: bytes | None = None) -> tuple[NixlMetadata, dict[MemKind, Descs]]:
+    """Decode a peer's metadata and its region table (``WireError`` if
+    malformed), the NIXL blob checked structurally (see ``check_nixl_blob``;
+    ``reference`` is our own NIXL blob)."""
     md = decode(data, NixlMetadata)
+    if not 0 < len(md.name) <= 256:
+        raise WireError("agent name must be 1 to 256 characters")
+    check_nixl_blob(md.nixl, md.name, reference)
     try:
         regions = {}
         for kind, rows in md.regions.items():
             if len(rows) % 24:
                 raise ValueError(f"{len(rows)} bytes is not a whole number of (address, length, device) rows")
-            regions[MemKind(kind)] = Descs(np.frombuffer(rows, np.uint64).reshape(-1, 3), kind)
+            regions[MemKind(kind)] = d = Descs(np.frombuffer(rows, np.uint64).reshape(-1, 3), kind)
+            d.check_rows(f"{kind} regions")
     except ValueError as e:  # also an unknown memory kind
         raise WireError(f"bad region table in the nixl metadata of {md.name!r}: {e}") from e
     return md, regions

@@ -1,0 +1,221 @@
+"""Feed mutated peer bytes to one decoder; run as a subprocess by test_fuzz.py.
+
+    python fuzz.py TARGET COUNT SEED PROGRESS_FILE
+
+Blob ``i`` is a deterministic function of (TARGET, SEED, i), so the parent
+can rebuild the blob that crashed or hung this process (its index is in
+PROGRESS_FILE) and keep it under ``regressions/``.  Regression files for the
+target are replayed first.  Exit 0: every blob raised only kvt errors (or was
+accepted); exit 3: a non-kvt exception (printed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import traceback
+from pathlib import Path
+
+import msgspec
+
+REGRESSIONS = Path(__file__).parent / "regressions"
+EXTREME_INTS = [0, -1, 1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), 2**26, 2**32, 4096, 2**64 - 4096]
+WEIRD_STRS = ["", "\x00", "é" * 300, "a" * 100_000, "DRAM", "VRAM", "tcp://", "tcp://127.0.0.1:1", "/proc/self/mem"]
+
+
+def _mutate_value(rng: random.Random, v):
+    r = rng.random()
+    if isinstance(v, bool) or v is None:
+        return rng.choice([True, False, None, 0, "x"])
+    if isinstance(v, int):
+        return rng.choice(EXTREME_INTS) if r < 0.8 else str(v)
+    if isinstance(v, str):
+        return rng.choice(WEIRD_STRS) if r < 0.8 else rng.randbytes(rng.randrange(8))
+    if isinstance(v, (bytes, bytearray)):
+        v = bytearray(v)
+        if r < 0.3 and v:
+            del v[rng.randrange(len(v)):]
+        elif r < 0.6 and v:
+            for _ in range(rng.randrange(1, 8)):
+                v[rng.randrange(len(v))] = rng.randrange(256)
+        elif r < 0.8:
+            v += rng.randbytes(rng.choice([1, 7, 24, 25]))
+        else:
+            v = bytearray(rng.choice([b"", b"\xff" * 24, (2**64 - 4096).to_bytes(8, "little") * 3]))
+        return bytes(v)
+    if isinstance(v, list):
+        if v and r < 0.5:
+            i = rng.randrange(len(v))
+            v = list(v)
+            v[i] = _mutate_value(rng, v[i])
+            return v
+        return rng.choice([[], v * rng.choice([2, 100]), [[[[]]]], [2**64 - 1] * 3])
+    if isinstance(v, dict):
+        v = dict(v)
+        if v and r < 0.7:
+            k = rng.choice(list(v))
+            v[k] = _mutate_value(rng, v[k])
+        elif v and r < 0.85:
+            del v[rng.choice(list(v))]
+        else:
+            v[rng.choice(["extra", "t", "v", "zz"])] = _mutate_value(rng, 1)
+        return v
+    return v
+
+
+def mutate(seed: bytes, rng: random.Random) -> bytes:
+    """Structural mutation (decode, change a field, re-encode) or raw bytes."""
+    r = rng.random()
+    if r < 0.55:
+        try:
+            tree = msgspec.msgpack.decode(seed)
+            for _ in range(rng.randrange(1, 4)):
+                tree = _mutate_value(rng, tree)
+            return msgspec.msgpack.encode(tree)
+        except (msgspec.MsgspecError, TypeError, ValueError, OverflowError):
+            pass
+    b = bytearray(seed)
+    for _ in range(rng.randrange(1, 6)):
+        op = rng.randrange(5)
+        if op == 0 and b:
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        elif op == 1 and b:
+            del b[rng.randrange(len(b)):]
+        elif op == 2:
+            i = rng.randrange(len(b) + 1)
+            b[i:i] = rng.randbytes(rng.randrange(1, 16))
+        elif op == 3 and b:
+            b[rng.randrange(len(b))] = rng.choice([0xC1, 0xDC, 0xDD, 0xDF, 0xCF, 0xD3, 0x91, 0xFF])
+        elif op == 4:
+            b = bytearray(b"\x91" * rng.randrange(1, 300_000)) if rng.random() < 0.1 else b
+    return bytes(b)
+
+
+def targets():
+    """name -> (seed blob, feed(blob)).  Built lazily per target."""
+    import numpy as np
+    from kvt import memory
+    from kvt.wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
+
+    def wire_agent_info():
+        lay = BlockLayout(base_addrs=[4096, 1 << 20], block_len=4096, num_blocks=16, stride=4096)
+        seed = encode(AgentInfo(name="p", backend="host", metadata=b"\x01" * 40, layouts={"kv": lay},
+                                extra={"a": [1, 2, {"b": "c"}]}))
+
+        def feed(blob):
+            info = decode(blob, AgentInfo)
+            for lay in info.layouts.values():
+                if lay.num_blocks * len(lay.base_addrs) <= 1 << 16:
+                    lay.descs()
+        return seed, feed
+
+    def wire_handshake():
+        seeds = [encode(HandshakeRequest(sender="x")), encode(HandshakeReply(payload=b"abc", error="e"))]
+        # the reply seed carries every field kind; both types are tried on each blob
+
+        def feed(blob):
+            for t in (HandshakeRequest, HandshakeReply):
+                try:
+                    decode(blob, t)
+                except Exception as e:  # noqa: BLE001 - re-raised unless a kvt error
+                    _kvt_only(e)
+        return seeds[1], feed
+
+    def host_add_remote():
+        from kvt_host.backend import HostBackend
+        victim = HostBackend("victim", {"timeout": 2})
+        twin = HostBackend("twin", {"timeout": 2})
+        keep = memory.empty(1 << 16)
+        twin.register(keep)
+        seed = twin.local_metadata()
+
+        def feed(blob):
+            try:
+                name = victim.add_remote(blob)
+            except Exception as e:  # noqa: BLE001
+                _kvt_only(e)
+                return
+            victim.remove_remote(name)
+        feed.keep = (victim, twin, keep)
+        return seed, feed
+
+    def host_server():
+        import zmq
+        from kvt_host.backend import HostBackend
+        from kvt_host.protocol import Request
+        owner = HostBackend("owner", {"timeout": 2})
+        guard = np.full(3 << 16, 0xA5, np.uint8)
+        region = guard[1 << 16: 2 << 16]
+        owner.register(region)
+        rows = np.array([[region.ctypes.data, 4096, 0]], np.uint64).tobytes()
+        seed = encode(Request(id=1, sender="a", op="WRITE", rows=rows))
+
+        def feed(blob):
+            serve = getattr(owner._server, "_answer", owner._server._handle)  # (older kvt: _handle)
+            reply = serve([zmq.Frame(blob), zmq.Frame(b"\x00" * 4096)])
+            assert reply is None or isinstance(reply, list)
+            assert (guard[: 1 << 16] == 0xA5).all() and (guard[2 << 16:] == 0xA5).all(), "guard bytes changed"
+        feed.keep = (owner, guard)
+        return seed, feed
+
+    def nixl_add_remote():
+        from kvt_nixl.backend import NixlBackend
+        victim = NixlBackend("victim", {})
+        peer = NixlBackend("peer", {})
+        keep = np.zeros(1 << 16, np.uint8)
+        peer.register(keep)
+        seed = peer.local_metadata()
+
+        def feed(blob):
+            try:
+                name = victim.add_remote(blob)
+            except Exception as e:  # noqa: BLE001
+                _kvt_only(e)
+                return
+            victim.remove_remote(name)
+        feed.keep = (victim, peer, keep)
+        return seed, feed
+
+    return {f.__name__: f for f in (wire_agent_info, wire_handshake, host_add_remote, host_server,
+                                    nixl_add_remote)}
+
+
+def _kvt_only(e: BaseException) -> None:
+    from kvt.errors import KvtError
+    if not isinstance(e, KvtError):
+        raise e
+
+
+def blob_for(target: str, seed_blob: bytes, seed: int, i: int) -> bytes:
+    return mutate(seed_blob, random.Random(f"{target}:{seed}:{i}"))
+
+
+def main() -> int:
+    target, count, seed, progress = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    random.seed(0)
+    seed_blob, feed = targets()[target]()
+    Path(progress + ".seed").write_bytes(seed_blob)
+    replay = sorted(REGRESSIONS.glob(f"{target}-*.bin")) if REGRESSIONS.is_dir() else []
+    jobs = [(p.name, p.read_bytes()) for p in replay]
+    jobs += [(str(i), None) for i in range(count)]
+    fd = os.open(progress, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for label, blob in jobs:
+        if blob is None:
+            blob = blob_for(target, seed_blob, seed, int(label))
+        os.pwrite(fd, label.encode().ljust(64), 0)
+        try:
+            feed(blob)
+        except Exception as e:  # noqa: BLE001
+            try:
+                _kvt_only(e)
+            except BaseException:
+                print(f"blob {label}: {type(e).__name__}: {e}", file=sys.stderr)
+                traceback.print_exc()
+                return 3
+    os.pwrite(fd, b"done".ljust(64), 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

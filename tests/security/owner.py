@@ -1,0 +1,75 @@
+"""A victim owner in its own process for the hostile-peer tests: a host-backend
+agent whose registered region sits between guard zones, so a test can prove
+that no byte outside what was registered was read or written."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from contextlib import contextmanager
+
+import numpy as np
+
+GUARD, REGION = 64 * 1024, 256 * 1024  # bytes each side, registered bytes
+GUARD_BYTE = 0xA5
+
+
+def _fill(region: np.ndarray) -> None:
+    region[:] = (np.arange(region.size) * 7 % 251).astype(np.uint8)
+
+
+def _serve(options, q, cmd) -> None:
+    from kvt import Agent, memory
+
+    buf = memory.empty(GUARD + REGION + GUARD)
+    buf[:] = GUARD_BYTE
+    region = buf[GUARD:GUARD + REGION]
+    _fill(region)
+    import tempfile
+    secret = tempfile.TemporaryFile()  # a file the owner has open, never shared: forged segments aim at it
+    secret.write(b"S" * REGION)
+    secret.flush()
+    with Agent(name="owner", backend="host", options=options) as agent:
+        agent.register_blocks("kv", [region.reshape(64, -1)])
+        q.put((agent.listen(), region.ctypes.data, REGION, secret.fileno()))
+        while True:
+            op = cmd.get(timeout=300)
+            if op == "stop":
+                return
+            if op == "check":  # (guards intact, region unchanged)
+                expect = np.empty_like(region)
+                _fill(expect)
+                guards = np.concatenate([buf[:GUARD], buf[GUARD + REGION:]])
+                q.put((bool((guards == GUARD_BYTE).all()), bool((region == expect).all())))
+            elif op == "secret":
+                secret.seek(0)
+                q.put(secret.read())
+            elif op == "notifs":
+                q.put({k: [len(m) for m in v] for k, v in agent.get_notifs().items()})
+
+
+class Owner:
+    def __init__(self, proc, q, cmd, endpoint, base, size, secret_fd):
+        self.proc, self._q, self._cmd = proc, q, cmd
+        self.endpoint, self.base, self.size, self.secret_fd = endpoint, base, size, secret_fd
+
+    def ask(self, op: str):
+        assert self.proc.is_alive(), f"the owner died (exit code {self.proc.exitcode})"
+        self._cmd.put(op)
+        return self._q.get(timeout=60)
+
+
+@contextmanager
+def owner_process(options=None):
+    ctx = mp.get_context("spawn")
+    q, cmd = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_serve, args=(options or {}, q, cmd), daemon=True)
+    proc.start()
+    try:
+        yield Owner(proc, q, cmd, *q.get(timeout=60))
+    finally:
+        if proc.is_alive():
+            cmd.put("stop")
+            proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)

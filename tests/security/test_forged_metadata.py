@@ -1,0 +1,130 @@
+"""Forged metadata must not turn a host agent's same-host paths (shm, cma)
+against memory nobody shared, nor kill it; peer layouts are bounded."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import msgspec
+import numpy as np
+import pytest
+from kvt import Agent
+from kvt.agent import fetch_info
+from kvt.errors import WireError
+from kvt.procs import host_id, start_time
+from kvt.types import Descs, Op
+from kvt.wire import AgentInfo, BlockLayout, decode, encode
+from kvt_host.backend import HostBackend
+from kvt_host.protocol import HostMetadata
+from owner import GUARD_BYTE, REGION, owner_process
+
+
+def _settle(b, h, timeout=20):
+    from kvt.agent import poll_until
+
+    def settled():
+        s = b.check_state(h)
+        return None if s.pending else s
+    return poll_until(settled, timeout, "transfer")
+
+
+def test_metadata_claiming_our_own_process_is_refused():
+    """Used to make our READ copy our own unregistered memory into a KV block."""
+    secret = np.full(4096, 0x5E, np.uint8)  # never registered
+    with HostBackend("victim", {"timeout": 5}) as b:
+        pid = os.getpid()
+        forged = encode(HostMetadata(name="evil", endpoint="tcp://127.0.0.1:9", host_id=host_id(), pid=pid,
+                                     start_time=start_time(pid),
+                                     regions={"DRAM": np.array([[secret.ctypes.data, 4096, 0]], np.uint64).tobytes()}))
+        with pytest.raises(WireError, match="this very process"):
+            b.add_remote(forged)
+
+
+def _victim(md_bytes, write, q):
+    """In its own process: a SIGBUS (or any crash) shows as its exit code."""
+    from kvt_host.backend import HostBackend
+    local = np.full(REGION, 0x42, np.uint8)
+    with HostBackend("victim", {"timeout": 5}) as b:
+        b.register(local)
+        name = b.add_remote(md_bytes)
+        md = decode(md_bytes, HostMetadata)
+        rows = np.frombuffer(md.regions["DRAM"], np.uint64).reshape(-1, 3)
+        lp = b.prep(None, Descs([(local.ctypes.data, REGION, 0)]))
+        rp = b.prep(name, Descs([(int(rows[0, 0]), REGION, 0)]))
+        h = b.transfer(Op.WRITE if write else Op.READ, lp, None, rp, None)
+        q.put(repr(_settle(b, h)))
+
+
+def _run_victim(md_bytes, write):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_victim, args=(md_bytes, write, q))
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+    assert p.exitcode == 0, f"the victim died with exit code {p.exitcode}"
+    return q.get(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def owner():
+    with owner_process({"timeout": 5}) as o:
+        o.md = decode(fetch_info(o.endpoint, "t", 10).metadata, HostMetadata)
+        yield o
+
+
+def test_segment_bigger_than_its_file_does_not_kill_the_victim(owner):
+    """A segment advertised 64x larger than it is used to SIGBUS the peer."""
+    segs = np.frombuffer(owner.md.segments, np.uint64).reshape(-1, 3).copy()
+    assert len(segs)
+    segs[:, 1] *= 64
+    # the claimed region reaches past the segment's end; the victim reads there
+    past = int(segs[0, 0]) + (int(segs[0, 1]) // 64 + REGION)
+    forged = msgspec.structs.replace(owner.md, segments=segs.tobytes(), regions={
+        "DRAM": np.array([[past, REGION, 0]], np.uint64).tobytes()})
+    state = _run_victim(encode(forged), write=False)
+    assert "DONE" in state or "ERR" in state
+    assert owner.ask("check") == (True, True)
+
+
+def test_segment_naming_a_plain_file_is_not_mapped(owner):
+    """fd numbers in metadata used to be opened as /proc/<pid>/fd/N whatever
+    they were: a WRITE then landed in a file the owner never shared."""
+    forged = msgspec.structs.replace(owner.md, segments=np.array(
+        [[owner.base, REGION, owner.secret_fd]], np.uint64).tobytes())
+    state = _run_victim(encode(forged), write=True)
+    assert "DONE" in state  # by cma into the registered region instead
+    assert owner.ask("secret") == b"S" * REGION
+    assert owner.ask("check")[0]  # guards intact (the region itself was legitimately written)
+
+
+@pytest.mark.parametrize("blocks,bases", [(2**26, 64), (2**40, 1), (17, 2**20)])
+def test_peer_layout_is_bounded_before_use(blocks, bases):
+    """num_blocks = 2**26 used to cost the victim GiBs when its descriptors were built."""
+    raw = msgspec.msgpack.encode({"v": 1, "t": "agent_info", "name": "p", "backend": "host", "metadata": b"",
+                                  "layouts": {"kv": {"base_addrs": [4096] * bases, "block_len": 4096,
+                                                     "num_blocks": blocks, "stride": 4096}}})
+    with pytest.raises(WireError, match="limit"):
+        decode(raw, AgentInfo)
+
+
+@pytest.mark.parametrize("bad", [dict(block_len=0), dict(stride=-1), dict(num_blocks=-1), dict(kind="HBM"),
+                                 dict(base_addrs=[2**64 - 4096], num_blocks=2), dict(base_addrs=[-1])])
+def test_peer_layout_fields_are_validated(bad):
+    fields = dict(base_addrs=[4096], block_len=4096, num_blocks=4, stride=4096) | bad
+    raw = msgspec.msgpack.encode({"v": 1, "t": "agent_info", "name": "p", "backend": "host", "metadata": b"",
+                                  "layouts": {"kv": fields}})
+    with pytest.raises(WireError):
+        decode(raw, AgentInfo)
+
+
+@pytest.mark.parametrize("field,value", [("regions", {"DRAM": (np.array([[2**64 - 4096, 4096, 0]], np.uint64)).tobytes()}),
+                                         ("regions", {"DRAM": b"\0" * 24}), ("regions", {"HBM": b""}),
+                                         ("segments", b"\1" * 23), ("endpoint", "ipc:///tmp/x"),
+                                         ("name", "n" * 1000), ("pid", 0), ("pid", 2**40)])
+def test_bad_host_metadata_is_a_wire_error(owner, field, value):
+    with HostBackend("victim", {"timeout": 5}) as b:
+        with pytest.raises(WireError):
+            b.add_remote(encode(msgspec.structs.replace(owner.md, **{field: value})))
