@@ -29,7 +29,9 @@ class Engine:
 
     @classmethod
     def start(cls, name: str, model: Path, *, core: int, kv_transfer_config: dict | None = None,
-              env: dict[str, str] | None = None, log_dir: Path) -> "Engine":
+              env: dict[str, str] | None = None, log_dir: Path, wait: bool = True) -> "Engine":
+        """Launch the engine; with ``wait=False`` call ``ready()`` before using it
+        (so several engines start at once)."""
         key = secrets.token_bytes(16)
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
@@ -40,11 +42,20 @@ class Engine:
             listener._listener._socket.settimeout(60)
             conn = listener.accept()
         engine = cls(proc, conn, name)
-        engine.call("init", dict(model=str(model), kv_transfer_config=kv_transfer_config), timeout=START_TIMEOUT)
+        conn.send(("init", (dict(model=str(model), kv_transfer_config=kv_transfer_config),)))
+        if wait:
+            engine.ready()
         return engine
+
+    def ready(self) -> None:
+        """Wait until the engine is up (``RuntimeError`` with its failure if it is not)."""
+        self._reply("init", START_TIMEOUT)
 
     def call(self, op: str, *args: Any, timeout: float = 120.0) -> Any:
         self.conn.send((op, args))
+        return self._reply(op, timeout)
+
+    def _reply(self, op: str, timeout: float) -> Any:
         deadline = time.monotonic() + timeout
         while not self.conn.poll(1.0):
             if self.proc.poll() is not None:
@@ -113,14 +124,17 @@ def _make_llm(model: str, kv_transfer_config: dict | None):
 
 
 def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None) -> list[dict]:
+    """Each output also carries ``seconds``: the whole batch's time in this process."""
     from vllm import SamplingParams
 
     sps = [SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
                           extra_args={"kv_transfer_params": p} if p is not None else None)
            for p in (params or [None] * len(prompts))]
+    t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    seconds = time.perf_counter() - t0
     return [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
-             "kv_transfer_params": o.kv_transfer_params} for o in outs]
+             "kv_transfer_params": o.kv_transfer_params, "seconds": seconds} for o in outs]
 
 
 def _noise_kv_caches(worker: Any) -> int:
