@@ -134,7 +134,8 @@ def test_prefill_killed_before_decode_pulls(pair, expected, tiny_model):
     assert out["finish_reason"] == "error" and out["tokens"] != expected["many_blocks"], out
     assert decode.generate([PROMPTS["one_block"]], MAX_TOKENS)[0]["tokens"] == expected["one_block"]
     recompute = Engine.start(f"decode-recompute-{backend}", tiny_model, core=0, log_dir=logs,
-                             kv_transfer_config=_ktc("kv_consumer", backend, kv_load_failure_policy="recompute"))
+                             kv_transfer_config=_ktc("kv_consumer", backend, kv_load_failure_policy="recompute",
+                                                    kv_connector_module_path="kvt.integrations.vllm"))
     try:
         out = recompute.generate([PROMPTS["long"]], MAX_TOKENS, [handed[1]], timeout=TRANSFER_TIMEOUT + 60)[0]
         assert out["tokens"] == expected["long"]
