@@ -102,7 +102,7 @@ def main() -> None:
     for r in rows:
         t, e = statistics.median(r["ttft"]), statistics.median(r["e2e"])
         ratio = f"{t / statistics.median(base['ttft']):.2f}x" if base else "-"
-        same = "yes" if base and r["outputs"] == base["outputs"] else ("-" if r is base else "NO")
+        same = "-" if r is base or not base else ("yes" if r["outputs"] == base["outputs"] else "NO")
         print(f"| {r['label']} | {1e3 * t:.1f} | {ratio} | {1e3 * e:.1f} | {kv_bytes / t / 1e6:.0f} | {same} |")
 
 

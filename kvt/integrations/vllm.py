@@ -159,6 +159,13 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self._scheduler.set_worker_endpoints({rank: m.endpoint for rank, m in metadata.items()})
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """What vLLM >= 0.2x calls: ``{(pp_rank, tp_rank): metadata}``."""
+        if any(pp for pp, _ in metadata):
+            raise ConfigError("KvtConnector moves KV between tensor-parallel ranks of one pipeline stage; "
+                              "run vLLM with pipeline_parallel_size 1 on both engines")
+        self.set_xfer_handshake_metadata({tp: m for (_, tp), m in metadata.items()})
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return None if KvtConnectorStats is None else KvtConnectorStats(data=dict(data or {}))
