@@ -35,6 +35,9 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     * ``kv_layout="split"``: K and V apart, each ``(num_blocks, *block)``
       (passed as a ``(2, num_blocks, *block)`` tensor or a ``(K, V)`` pair);
     * ``kv_layout="joined"``: ``(num_blocks, 2, *block)``;
+    * ``kv_layout="packed"``: ``(num_blocks, *block)`` with K and V packed in
+      the last dimension (``head_dim`` is then ``head_size_k + head_size_v``;
+      vLLM's current layout);
     * ``kv_layout="mla"``: one latent cache ``(num_blocks, block_size, head_dim)``,
       replicated on every rank.
 
@@ -50,7 +53,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     head_dim: _Pos      #: the latent dimension for MLA
     dtype: str
     block_size: _Pos    #: tokens per block
-    kv_layout: Literal["split", "joined", "mla"] = "split"
+    kv_layout: Literal["split", "joined", "packed", "mla"] = "split"
     head_layout: Literal["HND", "NHD"] = "HND"
 
     def __post_init__(self) -> None:
@@ -80,8 +83,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     @property
     def parts_per_layer(self) -> int:
-        """K and V (2), or the MLA latent (1)."""
-        return 1 if self.mla else 2
+        """K and V (2), or K|V packed or the MLA latent (1)."""
+        return 1 if self.kv_layout in ("mla", "packed") else 2
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -50,11 +50,12 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @classmethod
     def parse(cls, params: Mapping[str, Any] | None) -> "TransferParams | None":
         """``None`` for no params; ``InvalidArgument`` for malformed ones.
-        Unknown keys (a router's own) are ignored."""
+        Unknown keys (a router's own) are ignored, and so are null values
+        (as vLLM's NixlConnector treats them)."""
         if not params:
             return None
-        try:
-            return msgspec.convert(dict(params), cls, strict=False)
+        try:  # a null field is an absent one (vLLM's proxies send "remote_block_ids": null)
+            return msgspec.convert({k: v for k, v in dict(params).items() if v is not None}, cls, strict=False)
         except msgspec.ValidationError as e:
             raise InvalidArgument(f"malformed kv_transfer_params: {e}") from e
 

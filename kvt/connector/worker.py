@@ -81,6 +81,8 @@ class _Recv:
     peer_lost: bool = False      # the prefill side died or went silent: forget it
     remote: "_Remote | None" = None  # the connection its reads use
     deadline: float = float("inf")
+    posted: float = 0.0          # perf_counter when its reads were posted
+    post_s: float = 0.0          # time spent posting them
 
 
 @dataclass
@@ -130,6 +132,7 @@ class ConnectorWorker:
         self._live = 0  # transfer handles posted and not yet released
         self.stats = dict.fromkeys(("reads", "bytes_read", "recv_ok", "recv_failed", "notified_only",
                                     "released_by_readers", "expired"), 0)
+        self._timings: list[tuple[float, float, int, int]] = []  # finished reads since take_timings
         self._closed = False
 
     # -- registration ---------------------------------------------------------
@@ -177,7 +180,7 @@ class ConnectorWorker:
             want, got = (None, *block), pair
         elif spec.kv_layout == "joined":
             want, got = (None, 2, *block), [value]
-        else:
+        else:  # packed, mla
             want, got = (None, *block), [value]
         for t in got:
             shape = tuple(getattr(t, "shape", ()))
@@ -224,6 +227,13 @@ class ConnectorWorker:
         """Local block ids whose load failed since the last call (reported no
         later than the ``get_finished`` that returns their request)."""
         out, self._invalid = self._invalid, set()
+        return out
+
+    def take_timings(self) -> list[tuple[float, float, int, int]]:
+        """``(post_seconds, transfer_seconds, bytes, blocks)`` of every read
+        that landed since the last call (for the engine's metrics); the time
+        a read waits for its handshake is not counted."""
+        out, self._timings = self._timings, []
         return out
 
     def failure_reasons(self) -> dict[str, str]:
@@ -384,6 +394,7 @@ class ConnectorWorker:
         recv = self._loading[req_id]
         recv.settled, recv.remote = True, remote
         recv.deadline = time.monotonic() + self.config.transfer_timeout + _SLACK
+        recv.posted = time.perf_counter()
         try:
             if len(req.local_block_ids) != len(src.block_ids):
                 raise InvalidArgument(f"{len(req.local_block_ids)} local blocks for {len(src.block_ids)} remote blocks")
@@ -396,6 +407,7 @@ class ConnectorWorker:
             self._notify(remote.notify_only, notif)
         except KvtError as e:
             recv.error = f"posting the read failed: {type(e).__name__}: {e}"
+        recv.post_s = time.perf_counter() - recv.posted
 
     def _give_up(self, req_id: str, req: RecvRequest, why: str) -> None:
         log.warning("request %s: %s", req_id, why)
@@ -454,6 +466,8 @@ class ConnectorWorker:
             self.stats["reads"] += len(recv.transfers)
             self.stats["bytes_read"] += sum(t.nbytes for t in recv.transfers)
             self.stats["recv_ok"] += 1
+            self._timings.append((recv.post_s, time.perf_counter() - recv.posted,
+                                  sum(t.nbytes for t in recv.transfers), len(ids)))
         else:
             self.stats["recv_failed"] += 1
             self._invalid.update(ids)

@@ -1,10 +1,10 @@
 """kvt as a vLLM KV connector (``KVConnectorBase_V1``), for disaggregated
-prefill/decode on any kvt backend.  Load it with vLLM's
-``kv_connector_module_path``::
+prefill/decode on any kvt backend.  kvt registers it with vLLM's connector
+factory through the ``vllm.general_plugins`` entry point, so the name is
+enough (``kv_connector_module_path: "kvt.integrations.vllm"`` works too)::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtConnector",
-        "kv_connector_module_path": "kvt.integrations.vllm", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"backend": "nixl"}}'
+        "kv_role": "kv_both", "kv_connector_extra_config": {"backend": "nixl"}}'
 
 Everything is delegated to ``kvt.connector``: ``ConnectorScheduler`` in the
 scheduler process, ``ConnectorWorker`` in each worker.  The workers' handshake
@@ -29,8 +29,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole)
 
 from ..connector import ConnectorMetadata, ConnectorScheduler, ConnectorWorker  # noqa: E402
-from ..errors import InvalidArgument  # noqa: E402
+from ..errors import ConfigError, InvalidArgument  # noqa: E402
 from .vllm_support import caches_for_kvt, connector_config  # noqa: E402
+
+try:  # vLLM >= 0.11: hybrid allocator, metrics, transfer results
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults, SupportsHMA
+    from .vllm_metrics import KvtConnectorStats, KvtPromMetrics
+except ImportError:  # older vLLM: the adapter works without them
+    KVConnectorTransferResults = KvtConnectorStats = KvtPromMetrics = None  # type: ignore[assignment,misc]
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stand-in where vLLM predates the hybrid allocator."""
 
 if TYPE_CHECKING:
     import torch
@@ -55,24 +64,47 @@ class KvtHandshakeMetadata(KVConnectorHandshakeMetadata):
     endpoint: str
 
 
-class KvtConnector(KVConnectorBase_V1):
-    """vLLM's view of kvt's engine connector."""
+#: how a prefill request may end and still hand its blocks off (by name: vLLM's RequestStatus)
+HANDOFF_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+class KvtConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's view of kvt's engine connector.
+
+    Hybrid allocator (``SupportsHMA``): kvt moves one KV cache group, so it
+    runs with vLLM's hybrid KV cache manager on for models whose layers all
+    share one group, and refuses (``ConfigError``) models with several."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:
+            raise ConfigError(f"KvtConnector moves one KV cache group; this model has {len(groups)} (hybrid "
+                              "attention); start vLLM with --disable-hybrid-kv-cache-manager")
         self._vllm_config = vllm_config
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         self._handshake: KvtHandshakeMetadata | None = None
+        self._host_copy: Any = None  # vLLM's set_host_xfer_buffer_ops
+        # counted since the last get_kv_connector_stats: params refused (scheduler side),
+        # failed receives and the worker's expired sends so far (worker side)
+        self._malformed = self._failed = self._expired_seen = 0
         self._staged: dict[str, tuple[Any, list[int]]] = {}  # prefill requests whose blocks are host-staged
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(connector_config(vllm_config))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        # heads outermost inside a block, so heterogeneous TP reads one slice
+        # heads outermost inside a block and layers apart (vLLM's LBHNC, "HND" before
+        # 0.2x), so a block is one contiguous run and heterogeneous TP reads one slice of it
         model = getattr(vllm_config, "model_config", None)
-        return None if model is None or getattr(model, "use_mla", False) else "HND"
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        try:
+            from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: F401
+        except ImportError:
+            return "HND"
+        return "LBHNC"
 
     # -- scheduler side -------------------------------------------------------
 
@@ -80,12 +112,15 @@ class KvtConnector(KVConnectorBase_V1):
         try:
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except InvalidArgument as e:  # a bad request must not stop the engine: prefill it here instead
-            log.warning("request %s: %s; computing its prompt locally", request.request_id, e)
+            log.error("request %s: REFUSED its kv_transfer_params %r: %s; the decode engine computes the whole "
+                      "prompt itself (fix the router that sends them)", request.request_id,
+                      request.kv_transfer_params, e)
+            self._malformed += 1
             request.kv_transfer_params = None
             return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        ids = list(blocks.get_block_ids()[0])
+        ids = list(blocks.get_block_ids()[0])  # one group (see __init__)
         self._scheduler.update_state_after_alloc(request, ids, num_external_tokens)
         if self._scheduler.config.staging and (request.kv_transfer_params or {}).get("do_remote_decode"):
             self._staged[request.request_id] = (request, ids)
@@ -106,30 +141,66 @@ class KvtConnector(KVConnectorBase_V1):
                                                 connector_output.finished_recving or ())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
-
         params = request.kv_transfer_params or {}
         producer = bool(params.get("do_remote_decode"))
         self._staged.pop(request.request_id, None)
-        # a prefill request is handed off only when it stopped at its one token
-        aborted = producer and request.status != RequestStatus.FINISHED_LENGTH_CAPPED
+        # a prefill request is handed off when it finished normally (its token limit or a stop
+        # token); aborted, errored or preempted ones are freed at once
+        aborted = producer and getattr(request.status, "name", None) not in HANDOFF_STATUSES
         delay, out = self._scheduler.request_finished(request, block_ids, aborted=aborted)
         # vLLM itself keeps the blocks of a request still WAITING_FOR_REMOTE_KVS
         return (delay and producer), out
 
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: one group only (checked in ``__init__``)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self._scheduler.set_worker_endpoints({rank: m.endpoint for rank, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """What vLLM >= 0.2x calls: ``{(pp_rank, tp_rank): metadata}``."""
+        if any(pp for pp, _ in metadata):
+            raise ConfigError("KvtConnector moves KV between tensor-parallel ranks of one pipeline stage; "
+                              "run vLLM with pipeline_parallel_size 1 on both engines")
+        self.set_xfer_handshake_metadata({tp: m for (_, tp), m in metadata.items()})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return None if KvtConnectorStats is None else KvtConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        if KvtPromMetrics is None:
+            return None
+        return KvtPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side ----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        kv_layout, head_layout, caches = caches_for_kvt(kv_caches)
-        config = connector_config(self._vllm_config, kv_layout=kv_layout, head_layout=head_layout)
+        mla = bool(getattr(self._vllm_config.model_config, "use_mla", False))
+        kv_layout, head_layout, head_dim, caches = caches_for_kvt(kv_caches, mla)
+        config = connector_config(self._vllm_config, kv_layout=kv_layout, head_layout=head_layout,
+                                  head_dim=head_dim if kv_layout == "packed" else None)
         rank = get_tensor_model_parallel_rank()
-        self._worker = ConnectorWorker(config, rank)
+        self._worker = ConnectorWorker(config, rank, copy_blocks=self._copy_blocks)
         self._handshake = KvtHandshakeMetadata(rank, self._worker.register_kv_caches(caches))
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        """Host staging copies with vLLM's platform ops (kvt's torch copies until set)."""
+        self._host_copy = copy_operation
+
+    def _copy_blocks(self, src: Any, dst: Any, block_ids: Any, direction: str) -> None:
+        if self._host_copy is None:
+            from ..connector.staging import copy_blocks
+            return copy_blocks(src, dst, block_ids, direction)
+        ids = list(block_ids)
+        self._host_copy({str(i): t for i, t in enumerate(src)}, {str(i): t for i, t in enumerate(dst)},
+                        ids, ids, direction)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._handshake
@@ -149,9 +220,43 @@ class KvtConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def _results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving); logs and counts failures."""
         sending, recving = self._worker.get_finished()
+        failed = self._worker.failure_reasons()
+        for req_id, why in failed.items():
+            log.warning("request %s: loading its KV from the prefill engine failed: %s", req_id, why)
+        self._failed += len(failed)
+        return sending, recving, set(failed) & recving
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._results()
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Finished sends and receives, and which receives failed (their
+        blocks are in ``get_block_ids_with_load_errors``; vLLM then fails
+        or recomputes them by ``kv_load_failure_policy``)."""
+        sending, recving, failed = self._results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_kv_connector_stats(self) -> Any:
+        """What happened since the last call (``KvtConnectorStats``), or None:
+        reads, their times and bytes, failures (worker); refused params (scheduler)."""
+        if KvtConnectorStats is None:
+            return None
+        data: dict[str, Any] = {"num_malformed_params": self._malformed}
+        self._malformed = 0
+        if self._worker is not None:
+            timings = self._worker.take_timings()
+            expired, self._expired_seen = self._worker.stats["expired"] - self._expired_seen, self._worker.stats["expired"]
+            data.update({
+                "post_duration": [t[0] for t in timings], "transfer_duration": [t[1] for t in timings],
+                "bytes_transferred": [t[2] for t in timings], "num_blocks": [t[3] for t in timings],
+                "num_failed_recvs": self._failed, "num_expired_sends": expired})
+            self._failed = 0
+        stats = KvtConnectorStats(data=data)
+        return None if stats.is_empty() else stats
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

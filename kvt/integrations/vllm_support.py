@@ -9,7 +9,14 @@ vLLM lays KV caches out per attention backend:
   memory is ``(2, num_blocks, heads, block_size, head_dim)`` behind a
   permuted view;
 * FlashInfer: ``(num_blocks, 2, block_size, heads, head_dim)`` — K/V joined;
-* MLA: ``(num_blocks, block_size, latent_dim)``.
+* MLA: ``(num_blocks, block_size, latent_dim)``;
+* vLLM >= 0.2x (RFC #42082): one logical ``(num_blocks, heads, block_size,
+  content)`` tensor per layer, K and V packed in ``content`` (``head_size_k +
+  head_size_v``; the MLA latent with ``heads == 1``).  Its physical order is
+  the layout vLLM reports (``LBHNC``: as shaped; ``LBNHC``: tokens outside
+  heads); kvt reads it from the strides.  Block-outermost layouts (``BLHNC``
+  & co, every layer in one block) are not block-first per layer and are
+  refused with the layout to ask for instead.
 
 ``block_first`` finds the contiguous view of each, and ``head_layout`` tells
 which of HND/NHD the memory really is.
@@ -29,43 +36,48 @@ EXTRA_KEYS = ("backend", "backend_options", "side_channel_host", "side_channel_p
               "expiry_margin", "handshake_timeout", "transfer_timeout")
 
 
-def kv_layout_of(t: Any) -> str:
-    """``split``, ``joined`` or ``mla`` from a vLLM layer cache's shape."""
-    if t.ndim == 3:
+def kv_layout_of(t: Any, mla: bool = False) -> str:
+    """``split``, ``joined``, ``packed`` or ``mla`` from a vLLM layer cache's
+    shape (``mla``: the model uses MLA, which a 4-D cache does not show)."""
+    if t.ndim == 3 or (t.ndim == 4 and mla and t.shape[1] == 1):
         return "mla"
+    if t.ndim == 4 and not mla:
+        return "packed"
     if t.ndim == 5 and t.shape[0] == 2:
         return "split"
     if t.ndim == 5 and t.shape[1] == 2:
         return "joined"
-    raise InvalidArgument(f"unrecognised vLLM KV cache shape {tuple(t.shape)}; expected (2, blocks, size, heads, "
-                          "dim), (blocks, 2, size, heads, dim) or (blocks, size, latent)")
+    raise InvalidArgument(f"unrecognised vLLM KV cache shape {tuple(t.shape)}; expected (blocks, heads, size, "
+                          "head_k + head_v), (2, blocks, size, heads, dim), (blocks, 2, size, heads, dim), "
+                          "(blocks, 1, size, latent) or (blocks, size, latent)")
 
 
 def _views(t: Any, layout: str) -> dict[str, Any]:
     """The cache as block-first views, by which layout they expose."""
     if layout == "mla":
-        return {"HND": [t]}
+        return {"HND": [t[:, 0] if t.ndim == 4 else t]}
+    if layout == "packed":  # logical (blocks, heads, size, content)
+        return {"HND": [t], "NHD": [t.transpose(1, 2)]}
     body = [t[0], t[1]] if layout == "split" else [t]
     nhd = body
     hnd = [x.transpose(-3, -2) for x in body]  # (.., size, heads, dim) -> (.., heads, size, dim)
     return {"NHD": nhd, "HND": hnd}
 
 
-def head_layout_of(t: Any) -> str:
+def head_layout_of(t: Any, mla: bool = False) -> str:
     """``HND`` or ``NHD``: which view of the cache is contiguous memory."""
-    layout = kv_layout_of(t)
-    if layout == "mla":
-        return "HND"
+    layout = kv_layout_of(t, mla)
     for name, views in _views(t, layout).items():
         if all(v.is_contiguous() for v in views):
             return name
     raise InvalidArgument(f"vLLM KV cache of shape {tuple(t.shape)} and strides {t.stride()} is neither HND "
-                          "nor NHD contiguous; kvt registers contiguous block-first memory only")
+                          "nor NHD contiguous; kvt registers contiguous block-first memory per layer only: "
+                          "run vLLM with kv_cache_layout LBHNC (the layout KvtConnector asks for) or LBNHC")
 
 
-def block_first(t: Any, head_layout: str) -> Any:
+def block_first(t: Any, head_layout: str, mla: bool = False) -> Any:
     """The value ``ConnectorWorker.register_kv_caches`` takes for this layer."""
-    layout = kv_layout_of(t)
+    layout = kv_layout_of(t, mla)
     views = _views(t, layout)[head_layout]
     return tuple(views) if layout == "split" else views[0]
 
@@ -74,11 +86,17 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def connector_config(vllm_config: Any, *, kv_layout: str = "split", head_layout: str = "HND") -> ConnectorConfig:
+def connector_config(vllm_config: Any, *, kv_layout: str = "split", head_layout: str = "HND",
+                     head_dim: int | None = None) -> ConnectorConfig:
     """A ``ConnectorConfig`` from vLLM's ``VllmConfig`` (duck-typed).  The
     model shape comes from ``model_config``, the block size from
     ``cache_config``, the rest from ``kv_transfer_config`` and its
-    ``kv_connector_extra_config`` (keys: ``EXTRA_KEYS``)."""
+    ``kv_connector_extra_config`` (keys: ``EXTRA_KEYS``).  ``head_dim``
+    overrides the model's (the packed layout's content is K and V together).
+
+    Host staging is on only when ``kv_buffer_device`` is ``"cpu"`` and the
+    cache is not host memory already (vLLM defaults ``kv_buffer_device`` to
+    the platform, which is ``"cpu"`` on a CPU build)."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     ktc = vllm_config.kv_transfer_config
     if ktc is None or not getattr(ktc, "engine_id", None):
@@ -91,10 +109,12 @@ def connector_config(vllm_config: Any, *, kv_layout: str = "split", head_layout:
     cache_dtype = getattr(cache, "cache_dtype", "auto")
     spec = KVCacheSpec(
         model=str(model.model), num_layers=model.get_total_num_hidden_layers(),
-        num_kv_heads=1 if mla else model.get_total_num_kv_heads(), head_dim=model.get_head_size(),
+        num_kv_heads=1 if mla else model.get_total_num_kv_heads(), head_dim=head_dim or model.get_head_size(),
         dtype=_dtype_name(model.dtype if cache_dtype in (None, "auto") else _cache_dtype(cache_dtype)),
         block_size=cache.block_size, kv_layout="mla" if mla else kv_layout, head_layout=head_layout)
     buffer_device = getattr(ktc, "kv_buffer_device", None)
+    if getattr(getattr(vllm_config, "device_config", None), "device_type", None) == "cpu":
+        buffer_device = None  # the cache is host memory: nothing to stage
     return ConnectorConfig.from_dict({
         "engine_id": str(ktc.engine_id), "kv": spec, "tp_size": vllm_config.parallel_config.tensor_parallel_size,
         "kv_buffer_device": "cpu" if buffer_device == "cpu" else None, **extra})
@@ -106,10 +126,13 @@ def _cache_dtype(name: str) -> str:
             "half": "float16", "bf16": "bfloat16"}.get(name, name)
 
 
-def caches_for_kvt(kv_caches: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
-    """``(kv_layout, head_layout, {layer: value for register_kv_caches})``."""
+def caches_for_kvt(kv_caches: Mapping[str, Any], mla: bool = False) -> tuple[str, str, int, dict[str, Any]]:
+    """``(kv_layout, head_layout, head_dim, {layer: value for
+    register_kv_caches})``; ``head_dim`` is the last dimension of the cache
+    (K and V together when packed)."""
     if not kv_caches:
         raise InvalidArgument("vLLM passed no KV caches to register")
     first = next(iter(kv_caches.values()))
-    kv_layout, head_layout = kv_layout_of(first), head_layout_of(first)
-    return kv_layout, head_layout, {name: block_first(t, head_layout) for name, t in kv_caches.items()}
+    kv_layout, head_layout = kv_layout_of(first, mla), head_layout_of(first, mla)
+    return kv_layout, head_layout, int(first.shape[-1]), {
+        name: block_first(t, head_layout, mla) for name, t in kv_caches.items()}

@@ -51,13 +51,31 @@ def test_vllm_cache_layouts():
     mla = torch.zeros(16, 4, 32)
     assert [kv_layout_of(t) for t in (hnd, nhd, joined, mla)] == ["split", "split", "joined", "mla"]
     assert [head_layout_of(t) for t in (hnd, nhd, joined, mla)] == ["HND", "NHD", "HND", "HND"]
-    kv_layout, head_layout, caches = caches_for_kvt({"a": hnd})
+    kv_layout, head_layout, head_dim, caches = caches_for_kvt({"a": hnd})
     k, v = caches["a"]
-    assert (kv_layout, head_layout, tuple(k.shape)) == ("split", "HND", (16, 4, 4, 8)) and k.is_contiguous()
+    assert (kv_layout, head_layout, head_dim, tuple(k.shape)) == ("split", "HND", 8, (16, 4, 4, 8))
+    assert k.is_contiguous()
     with pytest.raises(InvalidArgument, match="neither HND nor NHD"):
         head_layout_of(torch.zeros(2, 16, 8, 4, 4).permute(0, 1, 4, 3, 2))
     with pytest.raises(InvalidArgument, match="unrecognised"):
-        kv_layout_of(torch.zeros(3, 3, 3, 3))
+        kv_layout_of(torch.zeros(3, 3, 3, 3), mla=True)
+
+
+def test_vllm_packed_layouts():
+    """vLLM 0.2x+: one logical (blocks, heads, size, head_k + head_v) tensor per layer."""
+    lbhnc = torch.arange(16 * 2 * 32 * 128, dtype=torch.float32).reshape(16, 2, 32, 128)  # as shaped
+    lbnhc = torch.zeros(16, 32, 2, 128).transpose(1, 2)  # tokens outside heads in memory
+    assert [kv_layout_of(t) for t in (lbhnc, lbnhc)] == ["packed", "packed"]
+    assert [head_layout_of(t) for t in (lbhnc, lbnhc)] == ["HND", "NHD"]
+    kv_layout, head_layout, head_dim, caches = caches_for_kvt({"a": lbhnc, "b": lbnhc})
+    assert (kv_layout, head_layout, head_dim) == ("packed", "HND", 128)
+    assert caches["a"].data_ptr() == lbhnc.data_ptr() and caches["a"].is_contiguous()
+    assert torch.equal(caches["a"][3, 1], lbhnc[3, 1])  # block 3, head 1: K|V of every token
+    assert caches_for_kvt({"b": lbnhc})[3]["b"].shape == (16, 32, 2, 128)
+    mla = torch.zeros(16, 1, 32, 576)  # MLA in the same logical shape, one "head"
+    assert (kv_layout_of(mla, mla=True), caches_for_kvt({"m": mla}, mla=True)[3]["m"].shape) == ("mla", (16, 32, 576))
+    with pytest.raises(InvalidArgument, match="LBHNC"):  # block-outermost (BLHNC): layers interleaved
+        head_layout_of(torch.zeros(16, 2, 2, 32, 128)[:, 0])
 
 
 def _fa_caches(fill: bool) -> dict:
@@ -126,7 +144,7 @@ def _decode(prefill, decode, params, prompt_len, block_ids):
 
 def test_adapter_moves_a_request_like_vllm_would(engines):
     KvtConnector, prefill, decode = engines()
-    assert KvtConnector.get_required_kvcache_layout(vllm_config("p")) == "HND"
+    assert KvtConnector.get_required_kvcache_layout(vllm_config("p")) in ("HND", "LBHNC")
     psched, pworker, pkv, pout = prefill
     dsched, _, dkv, _ = decode
     preq = Request("p1", 10, {"do_remote_decode": True})
@@ -141,9 +159,25 @@ def test_adapter_moves_a_request_like_vllm_would(engines):
     assert dsched.request_finished(dreq, [0, 1, 3]) == (False, None)
     aborted = Request("p2", 10, {"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED)
     assert psched.request_finished(aborted, [1, 3, 5]) == (False, None)
-    # malformed params from a router: computed locally instead of crashing the scheduler
+    # a prefill whose one token was a stop token is handed off too; null fields (vLLM's proxy) are absent ones
+    stopped = Request("p3", 10, {"do_remote_decode": True, "remote_block_ids": None, "remote_engine_id": None},
+                      status=RequestStatus.FINISHED_STOPPED)
+    delay, params = psched.request_finished(stopped, [1, 3, 5])
+    assert delay and params["remote_block_ids"] == [1, 3]
+
+
+def test_malformed_params_are_refused_loudly(engines, caplog):
+    """From a router: computed locally (never a crashed scheduler), logged as
+    an error naming the request, and counted in the connector's stats."""
+    _, _, decode = engines()
+    dsched = decode[0]
     junk = Request("d2", 10, {"do_remote_prefill": True, "remote_block_ids": [1]})
     assert dsched.get_num_new_matched_tokens(junk, 0) == (0, False) and junk.kv_transfer_params is None
+    assert any(r.levelname == "ERROR" and "d2" in r.getMessage() and "REFUSED" in r.getMessage()
+               for r in caplog.records)
+    bad_type = Request("d3", 10, {"do_remote_prefill": True, "remote_block_ids": "nope"})
+    assert dsched.get_num_new_matched_tokens(bad_type, 0) == (0, False)
+    assert dsched._malformed == 2
 
 
 def test_adapter_stages_every_chunk_of_a_chunked_prefill(engines):

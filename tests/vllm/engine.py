@@ -1,0 +1,153 @@
+"""A real vLLM engine (``vllm.LLM``) in its own process, driven over a
+``multiprocessing.connection`` socket: ``Engine.start(...)`` in the test,
+``python engine.py ADDRESS`` in the child.  Its engine core runs in the
+child process itself (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so killing the
+child kills the engine; each engine gets its own core for vLLM's OpenMP
+pinning (``VLLM_CPU_OMP_THREADS_BIND``) and a small KV cache."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+START_TIMEOUT = 300.0
+
+
+class Engine:
+    """The test's handle on one engine process; every call has a timeout."""
+
+    def __init__(self, proc: subprocess.Popen, conn: Any, name: str):
+        self.proc, self.conn, self.name = proc, conn, name
+
+    @classmethod
+    def start(cls, name: str, model: Path, *, core: int, kv_transfer_config: dict | None = None,
+              env: dict[str, str] | None = None, log_dir: Path, wait: bool = True) -> "Engine":
+        """Launch the engine; with ``wait=False`` call ``ready()`` before using it
+        (so several engines start at once)."""
+        key = secrets.token_bytes(16)
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVT_ENGINE_KEY": key.hex(), **(env or {})}
+            log = open(log_dir / f"{name}.log", "w")
+            proc = subprocess.Popen([sys.executable, __file__, f"{listener.address[0]}:{listener.address[1]}"],
+                                    env=child_env, stdout=log, stderr=subprocess.STDOUT)
+            listener._listener._socket.settimeout(60)
+            conn = listener.accept()
+        engine = cls(proc, conn, name)
+        conn.send(("init", (dict(model=str(model), kv_transfer_config=kv_transfer_config),)))
+        if wait:
+            engine.ready()
+        return engine
+
+    def ready(self) -> None:
+        """Wait until the engine is up (``RuntimeError`` with its failure if it is not)."""
+        self._reply("init", START_TIMEOUT)
+
+    def call(self, op: str, *args: Any, timeout: float = 120.0) -> Any:
+        self.conn.send((op, args))
+        return self._reply(op, timeout)
+
+    def _reply(self, op: str, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(1.0):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine {self.name} exited ({self.proc.returncode}); see its log")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {self.name}: {op} took over {timeout}s")
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"engine {self.name}: {op} failed:\n{value}")
+        return value
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None,
+                 timeout: float = 120.0) -> list[dict]:
+        """Greedy outputs: ``{"tokens", "finish_reason", "kv_transfer_params"}`` per prompt."""
+        return self.call("generate", prompts, max_tokens, params, timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.conn.send(("exit", ()))
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+# -- the child ---------------------------------------------------------------
+
+def _child(address: str) -> None:
+    host, port = address.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["KVT_ENGINE_KEY"]))
+    llm = None
+    while True:
+        op, args = conn.recv()
+        if op == "exit":
+            return
+        try:
+            if op == "init":
+                llm = _make_llm(**args[0])
+                value = None
+            elif op == "generate":
+                value = _generate(llm, *args)
+            elif op == "noise":
+                value = llm.collective_rpc(_noise_kv_caches)
+            elif op == "metrics":
+                value = [(m.name, getattr(m, "value", getattr(m, "count", None))) for m in llm.get_metrics()]
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            conn.send((True, value))
+        except BaseException:  # report it: the test shows the traceback
+            import traceback
+            conn.send((False, traceback.format_exc()))
+
+
+def _make_llm(model: str, kv_transfer_config: dict | None):
+    from vllm import LLM
+
+    return LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK, max_model_len=2048,
+               enable_prefix_caching=False, enforce_eager=True, seed=0, max_num_seqs=8, disable_log_stats=False,
+               kv_transfer_config=kv_transfer_config)
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None) -> list[dict]:
+    """Each output also carries ``seconds``: the whole batch's time in this process."""
+    from vllm import SamplingParams
+
+    sps = [SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
+                          extra_args={"kv_transfer_params": p} if p is not None else None)
+           for p in (params or [None] * len(prompts))]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+             "kv_transfer_params": o.kv_transfer_params, "seconds": seconds} for o in outs]
+
+
+def _noise_kv_caches(worker: Any) -> int:
+    """Overwrite every KV cache block of this worker with noise (test only)."""
+    import torch
+
+    caches = worker.model_runner.kv_caches
+    n = 0
+    for t in (caches.values() if isinstance(caches, dict) else caches):
+        t.copy_(torch.randn(t.shape, dtype=t.dtype) * 3)
+        n += t.numel()
+    return n
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])
