@@ -1,6 +1,6 @@
 """The ucx backend next to the nixl backend, raw NIXL and memcpy, same run.
 
-    python benchmarks/bench_ucx.py [--budget 2] [--ucx-option zcopy_min=262144 ...]
+    python benchmarks/bench_ucx.py [--budget 2] [--ucx-option error_handling=peer ...]
 
 Rows: 1 x 256 MiB, 4096 x 64 KiB and 4096 x 4 KiB, READ and WRITE.  Every
 engine runs an initiator and a target in two fresh processes (kvt backends
@@ -9,8 +9,9 @@ share a process (each bundles its own libucx).  The target's block ids are a
 random permutation, so no engine can merge neighbouring blocks.  memcpy copies
 the same blocks inside one process: the ceiling.  ``cma`` (the host backend
 with ``transport="cma"``) is Linux cross-memory attach driven directly: the
-single-copy path UCX itself takes between two processes on one host, so the
-practical ceiling for any UCX-based backend here.
+single-copy path UCX's RMA takes between two processes on one host (the ucx
+backend's gets and puts are cma copies there), so the practical ceiling for
+any UCX-based backend here.
 
 Prints a markdown table (median of the timed iterations; ratios to memcpy and
 to the kvt nixl backend) and the command line that produced it.  Targets:
