@@ -91,5 +91,6 @@ def test_host_wait_wakes_when_the_worker_settles_the_job(two):
     job = _Job(None, None, None, None, None, None, None)
     threading.Timer(0.05, job.finish, [XferState.DONE]).start()
     assert job.wait(30) is XferState.DONE
+    assert job.event is not None and job.event.is_set()  # woken by the worker, not by the timeout
     job.finish(XferState.err(None))  # first outcome wins
     assert job.wait(0) is XferState.DONE
