@@ -3,6 +3,7 @@
 same prompts through each, in one run.
 
     python benchmarks/bench_vllm.py [--requests 8] [--blocks 48] [--backends host,nixl,ucx]
+        [--backend-options '{"nixl": {"progress_thread": false}}']
 
 Each connector gets a fresh prefill and decode engine (``vllm.LLM`` in its
 own process, pinned to its own core; the tiny Llama model of tests/vllm).
@@ -23,6 +24,7 @@ sequence is checked against the first connector's.  Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -36,14 +38,15 @@ from tiny_model import HEADS, HIDDEN, KV_HEADS, LAYERS, write_model  # noqa: E40
 WARMUP = 2
 
 
-def _configs(backends: list[str]) -> list[tuple[str, dict, dict, dict]]:
+def _configs(backends: list[str], options: dict) -> list[tuple[str, dict, dict, dict]]:
     """(label, producer ktc, consumer ktc, per-side env) per connector."""
     nixl = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
     out = [("vLLM NixlConnector", {**nixl, "kv_role": "kv_producer"}, {**nixl, "kv_role": "kv_consumer"},
             {"prefill": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5611"}, "decode": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5621"}})]
     for b in backends:
-        kvt = {"kv_connector": "KvtConnector", "kv_connector_extra_config": {"backend": b}}
-        out.append((f"KvtConnector ({b})", {**kvt, "kv_role": "kv_producer"}, {**kvt, "kv_role": "kv_consumer"},
+        extra = {"backend": b, **({"backend_options": options[b]} if b in options else {})}
+        kvt = {"kv_connector": "KvtConnector", "kv_connector_extra_config": extra}
+        out.append((f"KvtConnector ({b}{', ' + json.dumps(options[b]) if b in options else ''})", {**kvt, "kv_role": "kv_producer"}, {**kvt, "kv_role": "kv_consumer"},
                     {"prefill": {}, "decode": {}}))
     return out
 
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=48, help="whole KV blocks per prompt (32 tokens each)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens decoded for the e2e time")
     ap.add_argument("--backends", default="host,nixl,ucx")
+    ap.add_argument("--backend-options", type=json.loads, default={}, help="JSON: backend -> its options")
     args = ap.parse_args()
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 512) for _ in range(args.blocks * BLOCK + 5)]
@@ -87,7 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model, logs = write_model(Path(tmp) / "model"), Path(tmp)
         rows = []
-        for label, prod, cons, env in _configs(args.backends.split(",")):
+        for label, prod, cons, env in _configs(args.backends.split(","), args.backend_options):
             try:
                 rows.append(_run(label, prod, cons, env, model, prompts, args.tokens, logs))
             except Exception as e:  # report it, measure the rest

@@ -51,13 +51,14 @@ class ToyModel:
     head_dim: int = 8
     block_size: int = 4
     dtype: str = "float16"
-    kv_layout: str = "split"  # split | joined | mla
+    kv_layout: str = "split"  # split | joined | packed | mla
     head_layout: str = "HND"
     name: str = "toy"
 
     def spec(self) -> KVCacheSpec:
         return KVCacheSpec(model=self.name, num_layers=self.layers, num_kv_heads=1 if self.kv_layout == "mla"
-                           else self.kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+                           else self.kv_heads, head_dim=self.head_dim * (2 if self.kv_layout == "packed" else 1),
+                           dtype=self.dtype,
                            block_size=self.block_size, kv_layout=self.kv_layout, head_layout=self.head_layout)
 
 
@@ -126,6 +127,9 @@ def _canonical(t, model: ToyModel):
     """A view of one layer's cache as (num_blocks, parts, heads, block_size, head_dim)."""
     if model.kv_layout == "mla":
         return t.unsqueeze(1).unsqueeze(2)
+    if model.kv_layout == "packed":  # K|V in the last dim: (blocks, heads|size, size|heads, 2 * head_dim)
+        v = t.unflatten(-1, (2, model.head_dim)).permute(0, 3, 1, 2, 4)
+        return v.transpose(2, 3) if model.head_layout == "NHD" else v
     v = t.transpose(0, 1) if model.kv_layout == "split" else t
     return v.transpose(2, 3) if model.head_layout == "NHD" else v
 
@@ -158,7 +162,7 @@ def _caches(spec: EngineSpec, rank: int) -> dict:
     m, cfg = spec.model, spec.connector_config()
     block = cfg.kv.block_shape(spec.tp)
     shape = {"split": (2, spec.num_blocks, *block), "joined": (spec.num_blocks, 2, *block),
-             "mla": (spec.num_blocks, *block)}[m.kv_layout]
+             "packed": (spec.num_blocks, *block), "mla": (spec.num_blocks, *block)}[m.kv_layout]
     dtype = getattr(torch, m.dtype)
     # staging: a private buffer stands in for device memory; otherwise kvt shared memory
     alloc = (lambda: torch.zeros(shape, dtype=dtype)) if spec.staging else (lambda: empty_tensor(shape, dtype))

@@ -70,7 +70,7 @@ def test_prefix_hits_read_only_what_is_missing(backend):
 
 
 @pytest.mark.parametrize("ptp, dtp, kv_layout", [(2, 1, "split"), (1, 2, "joined"), (4, 2, "split"),
-                                                 (2, 4, "joined")])
+                                                 (2, 4, "joined"), (2, 1, "packed"), (1, 2, "packed")])
 def test_heterogeneous_tensor_parallel(backend, ptp, dtp, kv_layout):
     requests = mixed_requests(6, BS, 12, seed=ptp * 10 + dtp)
     report = run(backend, requests, ptp=ptp, dtp=dtp, model=ToyModel(kv_layout=kv_layout))
