@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import numpy as np
 import zmq
 from kvt import memory
+from kvt.epoch import Epoch, EpochWatch
 from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
 from kvt.procs import host_id, start_time
 from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, KvtError, KvtTimeoutError,
@@ -151,6 +152,7 @@ class _Peer:
         self._sock: zmq.Socket | None = None
         self._pidfd: int | None = None
         self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
+        self.epoch: EpochWatch | None = None
         self.update(md, transport)
 
     def update(self, md: HostMetadata, transport: str) -> None:
@@ -160,6 +162,11 @@ class _Peer:
         self.local_pid = md.host_id == host_id() and start_time(md.pid) == md.start_time
         self.same_host = self.local_pid and transport != "tcp"
         self._watch(md.pid if self.local_pid else None)
+        if self.epoch is not None:
+            self.epoch.close()
+        # same-host paths bypass the owner's server: without its epoch we could not tell stale metadata
+        self.epoch = EpochWatch.open(md.pid, md.epoch_fd, md.epoch) if self.same_host else None
+        self.same_host = self.epoch is not None
         self.cma_ok = self.same_host
         self.failed: TransferError | None = None  # set when it dies or stops answering; cleared by fresh metadata
         if self.same_host and transport == "auto":
@@ -214,6 +221,9 @@ class _Peer:
 
     def close(self) -> None:
         self._watch(None)
+        if self.epoch is not None:
+            self.epoch.close()
+            self.epoch = None
         if self._sock is not None:
             self._sock.close()
         for addr, size in self._maps.values():
@@ -285,6 +295,7 @@ class HostBackend(Backend):
         self._local = _Lane("kvt-host-local")
         #: transfers up to this many bytes between host memory on this host run in the calling thread
         self.inline_bytes = int(self.options.get("inline_bytes", 16 << 20))
+        self._epoch = Epoch()
         try:
             self._server = Server(self, listen, self.options.get("advertise_host", listen))
         except HandshakeError as e:  # RouterServer's bind failure
@@ -309,6 +320,7 @@ class HostBackend(Backend):
         with self._lock:
             self._regions.remove(handle)
             self._mirrors.remove(handle)
+            self._epoch.bump()  # same-host peers holding our old metadata stop copying behind our back
 
     # -- peers ----------------------------------------------------------------
 
@@ -320,7 +332,7 @@ class HostBackend(Backend):
         return encode(HostMetadata(
             name=self.agent_name, endpoint=self._server.endpoint, host_id=host_id(), pid=pid,
             start_time=start_time(pid), regions={k.value: d.array.tobytes() for k, d in regions.items()},
-            segments=segs.tobytes()))
+            segments=segs.tobytes(), epoch_fd=self._epoch.fd, epoch=self._epoch.value))
 
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
@@ -405,7 +417,7 @@ class HostBackend(Backend):
         if job.nbytes > self.inline_bytes:
             return False
         p = job.peer
-        return p is None or (p.same_host and (p.cma_ok or job.rmapped is not None))
+        return p is None or (p.same_host and not p.epoch.stale and (p.cma_ok or job.rmapped is not None))
 
     def check_state(self, handle: XferHandle) -> XferState:
         self._check_open()
@@ -478,7 +490,11 @@ class HostBackend(Backend):
         return out
 
     def _move_same_host(self, job: _Job, peer: _Peer, local: np.ndarray) -> bool:
-        """shm or cma; False if neither is possible (then tcp)."""
+        """shm or cma; False if neither is possible (then tcp).  Neither when
+        the peer deregistered memory since its metadata: its server then
+        judges the request against what it has registered now."""
+        if peer.epoch.stale:
+            return False
         read = job.op is Op.READ
         mapped = job.rmapped
         try:
@@ -498,6 +514,9 @@ class HostBackend(Backend):
             raise RemoteRejected(f"peer {peer.name!r} memory not accessible: {e}; did it deregister?") from e
         if not peer.alive():  # a dead peer's pages stay mapped; its data no longer counts
             raise PeerDisconnected(f"peer {peer.name!r} (pid {peer.md.pid}) died during {job.op.value}")
+        if peer.epoch.stale:  # it deregistered while we copied: the bytes may be of memory it no longer offers
+            raise RemoteRejected(f"peer {peer.name!r} deregistered memory during {job.op.value}; "
+                                 "re-add its metadata and retry")
         return True
 
     def _move_tcp(self, job: _Job, peer: _Peer, local: np.ndarray) -> None:
@@ -568,6 +587,7 @@ class HostBackend(Backend):
         self._local.pool.shutdown(wait=True)
         _LIVE.pop(self._server.endpoint, None)
         self._server.close()
+        self._epoch.close()
         self._peers.clear()
         self._xfers.clear()
         self._preps.clear()

@@ -26,6 +26,8 @@ class HostMetadata(Message, tag="host_md"):
     start_time: int               # /proc/<pid>/stat start time, so a reused pid is not mistaken for us
     regions: dict[str, bytes]     # memory kind -> (n, 3) uint64 rows (address, length, device)
     segments: bytes = b""         # (m, 3) uint64 rows (base, size, fd) of shared segments peers may map
+    epoch_fd: int = -1            # fd of its registration epoch page (kvt.epoch), for same-host peers
+    epoch: int = 0                # the epoch when this metadata was taken
 
 
 class Request(Message, tag="host_req"):

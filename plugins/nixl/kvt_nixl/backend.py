@@ -28,13 +28,14 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 from kvt.backend import Backend, RegionTable, unknown_peer
+from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import (BackendUnavailable, IncompatiblePeer, InvalidArgument, InvalidDescriptor, InvalidHandle,
-                        PeerDisconnected, TransferError, TransferTimeout, UnknownPeer, WireError)
+                        PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, UnknownPeer, WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState, as_index)
 
 from . import native
-from .metadata import pack, unpack
+from .metadata import epoch_watch, pack, unpack
 from .options import parse_options
 
 __all__ = ["NixlBackend"]
@@ -60,10 +61,10 @@ class _Prep:
     deregistration stay alive in ``old`` until the prep is released: another
     thread may be posting with them at this very moment."""
 
-    __slots__ = ("peer", "descs", "side", "target", "old", "_all")
+    __slots__ = ("peer", "descs", "side", "target", "old", "_all", "epoch")
 
-    def __init__(self, peer: str | None, descs: Descs):
-        self.peer, self.descs = peer, descs
+    def __init__(self, peer: str | None, descs: Descs, epoch: EpochWatch | None = None):
+        self.peer, self.descs, self.epoch = peer, descs, epoch  # epoch: a same-host peer's (kvt.epoch)
         self.side = self.target = self._all = None
         self.old: list[Any] = []
 
@@ -120,6 +121,8 @@ class NixlBackend(Backend):
         self._regions = RegionTable()                    # what we registered, by handle and by kind
         self._regs: dict[int, Any] = {}                  # handle -> NIXL's reg list (None: an empty one)
         self._peers: dict[str, dict[MemKind, Descs]] = {}  # name -> the regions it advertised
+        self._epoch = Epoch()                            # bumped by deregister, watched by same-host peers
+        self._watches: dict[str, EpochWatch | None] = {}  # same-host peers' epochs
         self._preps: dict[int, _Prep] = {}
         self._xfers: dict[int, Any] = {}                 # handle -> _Xfer, or NIXL's handle alone
                                                          # for a transfer that finished within its post
@@ -158,6 +161,8 @@ class NixlBackend(Backend):
                     raise native.translate(e, f"deregistering handle {handle}", InvalidArgument) from e
             self._regions.remove(handle)  # InvalidHandle if there is no such registration
             del self._regs[handle]
+            # UCX's same-host copies (cma) ignore remote keys: same-host peers watch this instead
+            self._epoch.bump()
             self._retire(lambda p: p.peer is None)  # they may point into it: re-check before use
 
     # -- peers ----------------------------------------------------------------
@@ -168,7 +173,7 @@ class NixlBackend(Backend):
             blob = self._agent.get_agent_metadata()
         except Exception as e:
             raise native.translate(e, "reading our NIXL metadata", TransferError) from e
-        return pack(self.agent_name, blob, self._regions.by_kind())
+        return pack(self.agent_name, blob, self._regions.by_kind(), self._epoch)
 
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
@@ -199,7 +204,11 @@ class NixlBackend(Backend):
                 raise WireError(f"metadata says agent {md.name!r} but its NIXL part belongs to {name!r}")
             name = md.name
             self._peers[name] = regions
+            self._watches[name] = watch = epoch_watch(md)
             self._retire(lambda p: p.peer == name)  # NIXL refuses lists prepped before a reload
+            for p in self._preps.values():
+                if p.peer == name:
+                    p.epoch = watch
         return name
 
     def remove_remote(self, peer: str) -> None:
@@ -207,6 +216,7 @@ class NixlBackend(Backend):
         with self._lock:
             if self._peers.pop(peer, None) is None:
                 raise unknown_peer(peer, self._peers)
+            self._watches.pop(peer, None)
             for x in list(self._xfers.values()):
                 if x.__class__ is _Xfer and x.peer == peer and x.state is _PROC:
                     self._poll(x)
@@ -224,7 +234,8 @@ class NixlBackend(Backend):
         self._check_kind(descs.kind)
         if len(descs) > _MAX_ROWS:
             raise InvalidArgument(f"{len(descs)} descriptors in one list; NIXL takes at most {_MAX_ROWS}")
-        p = _Prep(None if peer == self.agent_name else peer, descs)
+        peer = None if peer == self.agent_name else peer
+        p = _Prep(peer, descs, self._watches.get(peer) if peer is not None else None)
         with self._lock:
             self._check_within(p)
             if p.peer is None:
@@ -304,6 +315,9 @@ class NixlBackend(Backend):
             lp, rp = self._preps[local_prep], self._preps[remote_prep]
         except (KeyError, TypeError):
             raise InvalidHandle(f"no prepped list with handle {local_prep!r} or {remote_prep!r} (released?)") from None
+        if rp.epoch is not None and rp.epoch.stale:
+            raise RemoteRejected(f"peer {rp.peer!r} deregistered memory since its metadata was loaded; "
+                                 "re-add its metadata (it may no longer offer these rows)")
         lside, rside = lp.side, rp.target
         if lside is None or rside is None:
             lside, rside = self._sides(lp, rp)
@@ -471,6 +485,8 @@ class NixlBackend(Backend):
             self._xfers.clear()
             self._preps.clear()
             self._regs.clear()
+            self._watches.clear()
+            self._epoch.close()
             self._regions.clear()
             self._peers.clear()
             self._leaked.clear()

@@ -9,11 +9,14 @@ travel next to it: a peer validates every remote descriptor list at
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 
 import numpy as np
+from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import WireError
+from kvt.procs import host_id, start_time
 from kvt.types import Descs, MemKind
 from kvt.wire import Message, decode, encode
 
@@ -30,11 +33,27 @@ class NixlMetadata(Message, tag="nixl_md"):
     name: str
     nixl: bytes                   # nixl_agent.get_agent_metadata()
     regions: dict[str, bytes]     # memory kind -> (n, 3) uint64 rows (address, length, device)
+    # where the agent runs and its registration epoch (kvt.epoch), for same-host peers
+    host_id: str = ""
+    pid: int = 0
+    start_time: int = 0
+    epoch_fd: int = -1
+    epoch: int = 0
 
 
-def pack(name: str, nixl: bytes, regions: dict[MemKind, Descs]) -> bytes:
+def pack(name: str, nixl: bytes, regions: dict[MemKind, Descs], epoch: Epoch) -> bytes:
+    pid = os.getpid()
     return encode(NixlMetadata(name=name, nixl=nixl,
-                               regions={k.value: d.array.tobytes() for k, d in regions.items()}))
+                               regions={k.value: d.array.tobytes() for k, d in regions.items()},
+                               host_id=host_id(), pid=pid, start_time=start_time(pid),
+                               epoch_fd=epoch.fd, epoch=epoch.value))
+
+
+def epoch_watch(md: NixlMetadata) -> EpochWatch | None:
+    """A same-host peer's registration epoch, mapped; ``None`` for other hosts."""
+    if md.host_id != host_id() or not 0 < md.pid < 1 << 22 or start_time(md.pid) != md.start_time:
+        return None
+    return EpochWatch.open(md.pid, md.epoch_fd, md.epoch)
 
 
 def _records(blob: bytes, name: str) -> list[tuple[bytes, bytes]]:

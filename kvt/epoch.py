@@ -1,0 +1,87 @@
+"""Registration epochs: how a same-host peer learns, without asking, that an
+owner's registrations shrank since it loaded the owner's metadata.
+
+Same-host fast paths (shared segments, cross-memory attach, UCX's ``cma``)
+copy without the owner's involvement, so an owner cannot refuse a request
+from an initiator holding stale metadata.  Each owner therefore keeps a
+one-page memfd whose counter it bumps on every deregistration, and
+advertises ``(fd, value)`` in its metadata.  A same-host peer maps the page
+read-only and, before each same-host copy, compares the counter with the
+value its metadata carried: if it moved, the metadata is stale and the copy
+must not happen (the host backend falls back to its owner-checked server;
+others refuse with ``RemoteRejected``).
+
+This protects against stale metadata, the honest mistake.  It is not a
+boundary against a hostile process of the same user: on one host the
+kernel, not kvt, decides who may read whose memory (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+__all__ = ["Epoch", "EpochWatch"]
+
+_NAME = "kvt-epoch"
+_COUNTER = struct.Struct("=Q")
+
+
+class Epoch:
+    """The owner's counter (one per backend instance)."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, mmap.PAGESIZE)
+        self._mm = mmap.mmap(self.fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+
+    @property
+    def value(self) -> int:
+        return _COUNTER.unpack_from(self._mm)[0]
+
+    def bump(self) -> None:
+        """Call after a deregistration (callers serialise: one aligned 8-byte store)."""
+        _COUNTER.pack_into(self._mm, 0, self.value + 1)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self._mm.close()
+            os.close(self.fd)
+            self.fd = -1
+
+
+class EpochWatch:
+    """A peer's view of an owner's counter, mapped read-only."""
+
+    def __init__(self, pid: int, fd: int, seen: int):
+        path = f"/proc/{int(pid)}/fd/{int(fd)}"
+        if not os.readlink(path).startswith(f"/memfd:{_NAME}"):
+            raise OSError(f"{path} is not a kvt registration epoch")
+        f = os.open(path, os.O_RDONLY)
+        try:
+            if os.fstat(f).st_size < _COUNTER.size:
+                raise OSError(f"{path} is too small to be a registration epoch")
+            self._mm = mmap.mmap(f, _COUNTER.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(f)
+        self.seen = seen  #: the value the peer's metadata carried
+
+    @classmethod
+    def open(cls, pid: int, fd: int, seen: int) -> "EpochWatch | None":
+        """The watch, or ``None`` if the page cannot be mapped (then no
+        same-host path may trust the metadata)."""
+        if fd < 0:
+            return None
+        try:
+            return cls(pid, fd, seen)
+        except (OSError, ValueError):
+            return None
+
+    @property
+    def stale(self) -> bool:
+        """The owner deregistered memory since the metadata was taken."""
+        return _COUNTER.unpack_from(self._mm)[0] != self.seen
+
+    def close(self) -> None:
+        self._mm.close()
