@@ -10,6 +10,7 @@ Rows are ``(n, 2)`` uint64 arrays of ``(address, length)`` — the layout of
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 from kvt.memcopy import copy as memcopy, gather, process_vm as cma, scatter
