@@ -25,7 +25,7 @@ import numpy as np
 from . import registry
 from .config import Config, load_config
 from .errors import (ClosedError, HandshakeError, IncompatiblePeer, InvalidArgument, KvtError,
-                     KvtTimeoutError, UnknownPeer, WireError)
+                     KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, WireError)
 from .handshake import HandshakeServer, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
 from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
@@ -65,11 +65,15 @@ def poll_until(check, timeout: float, what: str):
             time.sleep(min(delay, deadline - now))
 
 
+#: transfer failures that mean the peer may have gone (and may come back as a new process)
+_PEER_LOST = (PeerDisconnected, TransferTimeout)
+
+
 class Transfer:
     """A posted transfer: poll with ``state()``, block with ``wait()``."""
 
-    def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int):
-        self._agent, self.handle, self.nbytes = agent, handle, nbytes
+    def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int, peer: str | None = None):
+        self._agent, self.handle, self.nbytes, self.peer = agent, handle, nbytes, peer
         self._released = False
 
     def state(self) -> XferState:
@@ -85,6 +89,8 @@ class Transfer:
 
         state = poll_until(settled, t, f"transfer {self.handle} ({self.nbytes} bytes)")
         if state.failed:
+            if isinstance(state.cause, _PEER_LOST) and self.peer is not None:
+                self._agent._suspect(self.peer)
             raise state.cause
 
     def release(self) -> None:
@@ -116,6 +122,9 @@ class Agent:
         self._peers: dict[str, AgentInfo] = {}
         self._preps: dict[tuple[str | None, str], PrepHandle] = {}
         self._pending: dict[str, list[bytes]] = {}
+        self._routes: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
+        self._stale: set[str] = set()      # peers whose transfers failed as if they had gone
+        self._discovery = None
         self._lock = threading.RLock()
         self._server: HandshakeServer | None = None
         self._closed = False
@@ -189,10 +198,69 @@ class Agent:
 
     def connect(self, endpoint: str, timeout: float | None = None) -> str:
         """Fetch a peer's ``AgentInfo`` through its side channel and load it.
-        Returns the peer's name.  ``HandshakeTimeout`` if it never answers."""
+        Returns the peer's name.  ``HandshakeTimeout`` if it never answers.
+
+        ``endpoint`` is ``tcp://host:port``, or a name another agent
+        ``publish``-ed in the discovery store (``KVT_DISCOVERY``).  kvt
+        remembers it: when a transfer to the peer fails as if it had gone
+        (``PeerDisconnected``, ``TransferTimeout``), the next transfer to it
+        first reconnects the same way, so a restarted peer is picked up."""
         self._check_open()
-        return self.add_peer(fetch_info(endpoint, self.name,
-                                        self.config.handshake_timeout if timeout is None else timeout))
+        name = self.add_peer(self._fetch(endpoint, timeout))
+        self._routes[name] = endpoint
+        return name
+
+    def _fetch(self, route: str, timeout: float | None) -> AgentInfo:
+        t = self.config.handshake_timeout if timeout is None else timeout
+        if "://" not in route:
+            route = self.discovery.resolve(route, timeout=t)
+        return fetch_info(route, self.name, t)
+
+    def reconnect(self, peer: str, timeout: float | None = None) -> bool:
+        """Fetch ``peer``'s metadata again the way ``connect`` first reached it
+        and reload it if it changed (a restarted peer: the old incarnation's
+        state is dropped, its in-flight transfers end ``ERR``).  True if it
+        changed.  ``PeerDisconnected`` if the peer is not back (yet)."""
+        self._check_open()
+        route = self._routes.get(peer)
+        if route is None:
+            raise PeerDisconnected(f"peer {peer!r} seems gone and was added by add_peer(), so kvt cannot "
+                                   "reach it again by itself; connect() to it again")
+        try:
+            info = self._fetch(route, timeout)
+        except KvtError as e:
+            raise PeerDisconnected(f"peer {peer!r} seems gone and does not answer at {route} ({e}); "
+                                   "the next transfer tries again") from e
+        if info.name != peer:
+            raise IncompatiblePeer(f"{route} is now agent {info.name!r}, not {peer!r}")
+        with self._lock:
+            self._stale.discard(peer)
+            old = self._peers.get(peer)
+            if old is not None and old.metadata == info.metadata and old.layouts == info.layouts:
+                return False
+            self.add_peer(info)
+            return True
+
+    def _suspect(self, peer: str) -> None:
+        if peer in self._routes:
+            self._stale.add(peer)
+
+    @property
+    def discovery(self):
+        """The discovery store named by ``KVT_DISCOVERY`` / the ``discovery``
+        setting (``ConfigError`` if none is configured)."""
+        if self._discovery is None:
+            from .discovery import open_store
+            self._discovery = open_store(self.config.discovery)
+        return self._discovery
+
+    def publish(self, name: str | None = None, ttl: float | None = None) -> None:
+        """Publish our side-channel endpoint in the discovery store under
+        ``name`` (default: our agent name) with a lease of ``ttl`` seconds,
+        kept alive while we run; a peer then ``connect(name)``-s.  Starts the
+        side channel if needed."""
+        endpoint = self.endpoint or self.listen()
+        self.discovery.publish(name or self.name, endpoint, ttl)
 
     def add_peer(self, info: AgentInfo | bytes) -> str:
         """Load a peer's ``AgentInfo`` (re-adding refreshes it)."""
@@ -212,6 +280,8 @@ class Agent:
         with self._lock:
             self._drop_preps(lambda p, _: p == peer)
             self._peers.pop(peer, None)
+            self._routes.pop(peer, None)
+            self._stale.discard(peer)
             self.backend.remove_remote(peer)
 
     def peer_info(self, peer: str) -> AgentInfo:
@@ -240,6 +310,8 @@ class Agent:
     def transfer_blocks(self, op: Op, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
                         notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
         self._check_open()
+        if self._stale and peer in self._stale:
+            self.reconnect(peer)
         rname = remote_layout or layout
         mine, theirs = self._layout(None, layout), self._layout(peer, rname)
         if mine.block_len != theirs.block_len or len(mine.base_addrs) != len(theirs.base_addrs):
@@ -249,7 +321,7 @@ class Agent:
         lidx = self.block_index(mine, local_ids)
         ridx = self.block_index(theirs, remote_ids)
         handle = self.backend.transfer(op, self._prep(None, layout), lidx, self._prep(peer, rname), ridx, notif)
-        return Transfer(self, handle, int(lidx.size) * mine.block_len)
+        return Transfer(self, handle, int(lidx.size) * mine.block_len, peer)
 
     @staticmethod
     def block_index(layout: BlockLayout, block_ids: Any) -> np.ndarray:
@@ -324,6 +396,8 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        if self._discovery is not None:
+            self._discovery.close()
         if self._server is not None:
             self._server.close()
         self.backend.close()

@@ -21,6 +21,7 @@ else kills the node (the test then sees EOF).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -34,8 +35,10 @@ def pattern(num_blocks: int, block: int, salt: int) -> np.ndarray:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    out = sys.stdout
-    sys.stdout = sys.stderr  # whatever a backend prints must not corrupt our replies
+    # our replies go to a copy of stdout; whatever a backend prints (native code
+    # too) goes to stderr and cannot corrupt them
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     from kvt import Agent, KvtError, Op
 
     nb, bs = spec["blocks"], spec["block"]

@@ -122,6 +122,11 @@ class _Lane:
         return True
 
 
+def _incarnation(md: HostMetadata) -> tuple:
+    """What changes when a peer restarts (same name, new process)."""
+    return md.host_id, md.pid, md.start_time, md.endpoint
+
+
 class _Peer:
     """What we know of a remote agent, and the lane that talks to it."""
 
@@ -133,6 +138,8 @@ class _Peer:
         self.update(md, transport)
 
     def update(self, md: HostMetadata, transport: str) -> None:
+        if (self._maps or self._sock is not None) and _incarnation(md) != _incarnation(self.md):
+            self.close()  # a restarted peer: its old segments and server are gone
         self.md = md
         try:
             self.regions = {MemKind(k): Descs(rows_of(v), k) for k, v in md.regions.items()}
@@ -198,6 +205,7 @@ class _Peer:
         self._watch(None)
         if self._sock is not None:
             self._sock.close()
+            self._sock = None
         for addr, size in self._maps.values():
             memops.munmap(addr, size)
         self._maps.clear()
@@ -282,6 +290,9 @@ class HostBackend(Backend):
             if peer is None:
                 self._peers[md.name] = _Peer(md, self.transport)
             else:  # on the peer's worker, between its transfers
+                if _incarnation(md) != _incarnation(peer.md):
+                    self._fail_jobs(peer, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
+                                                           "this transfer was meant for the old one"))
                 try:
                     peer.lane.submit(peer.update, md, self.transport).result(timeout=self.timeout)
                 except FuturesTimeout:
@@ -295,11 +306,14 @@ class HostBackend(Backend):
             p = self._peers.pop(peer, None)
             if p is None:
                 raise unknown_peer(peer, self._peers)
-            for job in self._xfers.values():
-                if job.peer is p:
-                    job.finish(XferState.err(PeerDisconnected(f"peer {peer!r} was removed")))
+            self._fail_jobs(p, PeerDisconnected(f"peer {peer!r} was removed"))
         p.lane.submit(p.close)
         p.lane.pool.shutdown(wait=False)
+
+    def _fail_jobs(self, peer: _Peer, cause: TransferError) -> None:
+        for job in self._xfers.values():
+            if job.peer is peer:
+                job.finish(XferState.err(cause))
 
     def _peer(self, name: str) -> _Peer:
         p = self._peers.get(name)

@@ -139,7 +139,11 @@ class UcxBackend(Backend):
         except (ValueError, KvtError) as e:
             raise WireError(f"bad region table in metadata of {name!r}: {e}") from e
         with self._lock:
+            old = self._peers.get(name)
             self._peers[name] = _Peer(md, regions)
+        if old is not None and old.md.ident != md.ident:  # restarted: what was in flight went to the old one
+            self._engine.fail_peer(name, PeerDisconnected(f"peer {name!r} restarted (new process); "
+                                                          "this transfer was meant for the old one"))
         return name
 
     def remove_remote(self, peer: str) -> None:
