@@ -67,6 +67,7 @@ def poll_until(check, timeout: float, what: str):
 
 #: transfer failures that mean the peer may have gone (and may come back as a new process)
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
+_RECOVER_TIMEOUT = 2.0  # seconds a failed wait() spends asking a lost peer for new metadata
 
 
 class Transfer:
@@ -81,7 +82,10 @@ class Transfer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Until ``DONE``; raises the ``TransferError`` cause on ``ERR``,
-        ``KvtTimeoutError`` after ``timeout`` (default: transfer_timeout + 5 s)."""
+        ``KvtTimeoutError`` after ``timeout`` (default: transfer_timeout + 5 s).
+        A failure that looks like the peer went away first tries, briefly, to
+        reconnect it (``Agent.reconnect``), so the next transfer reaches a
+        peer that restarted meanwhile."""
         t = self._agent.config.transfer_timeout + 5 if timeout is None else timeout
         def settled():
             s = self.state()
@@ -90,7 +94,7 @@ class Transfer:
         state = poll_until(settled, t, f"transfer {self.handle} ({self.nbytes} bytes)")
         if state.failed:
             if isinstance(state.cause, _PEER_LOST) and self.peer is not None:
-                self._agent._suspect(self.peer)
+                self._agent._recover(self.peer)
             raise state.cause
 
     def release(self) -> None:
@@ -123,7 +127,6 @@ class Agent:
         self._preps: dict[tuple[str | None, str], PrepHandle] = {}
         self._pending: dict[str, list[bytes]] = {}
         self._routes: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
-        self._stale: set[str] = set()      # peers whose transfers failed as if they had gone
         self._discovery = None
         self._lock = threading.RLock()
         self._server: HandshakeServer | None = None
@@ -202,9 +205,9 @@ class Agent:
 
         ``endpoint`` is ``tcp://host:port``, or a name another agent
         ``publish``-ed in the discovery store (``KVT_DISCOVERY``).  kvt
-        remembers it: when a transfer to the peer fails as if it had gone
-        (``PeerDisconnected``, ``TransferTimeout``), the next transfer to it
-        first reconnects the same way, so a restarted peer is picked up."""
+        remembers it: when waiting on a transfer to the peer finds it failed as
+        if the peer had gone (``PeerDisconnected``, ``TransferTimeout``), kvt
+        reconnects the same way, so a restarted peer is picked up."""
         self._check_open()
         name = self.add_peer(self._fetch(endpoint, timeout))
         self._routes[name] = endpoint
@@ -220,7 +223,9 @@ class Agent:
         """Fetch ``peer``'s metadata again the way ``connect`` first reached it
         and reload it if it changed (a restarted peer: the old incarnation's
         state is dropped, its in-flight transfers end ``ERR``).  True if it
-        changed.  ``PeerDisconnected`` if the peer is not back (yet)."""
+        changed.  ``PeerDisconnected`` if the peer is not back (yet).
+        Called by ``Transfer.wait`` on a lost peer; call it yourself when you
+        poll with ``state()``."""
         self._check_open()
         route = self._routes.get(peer)
         if route is None:
@@ -234,16 +239,18 @@ class Agent:
         if info.name != peer:
             raise IncompatiblePeer(f"{route} is now agent {info.name!r}, not {peer!r}")
         with self._lock:
-            self._stale.discard(peer)
             old = self._peers.get(peer)
             if old is not None and old.metadata == info.metadata and old.layouts == info.layouts:
                 return False
             self.add_peer(info)
             return True
 
-    def _suspect(self, peer: str) -> None:
-        if peer in self._routes:
-            self._stale.add(peer)
+    def _recover(self, peer: str) -> None:
+        if peer in self._routes and not self._closed:
+            try:
+                self.reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT))
+            except KvtError:
+                pass  # still gone: the caller sees the transfer's own error; the next failure tries again
 
     @property
     def discovery(self):
@@ -281,7 +288,6 @@ class Agent:
             self._drop_preps(lambda p, _: p == peer)
             self._peers.pop(peer, None)
             self._routes.pop(peer, None)
-            self._stale.discard(peer)
             self.backend.remove_remote(peer)
 
     def peer_info(self, peer: str) -> AgentInfo:
@@ -310,8 +316,6 @@ class Agent:
     def transfer_blocks(self, op: Op, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
                         notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
         self._check_open()
-        if self._stale and peer in self._stale:
-            self.reconnect(peer)
         rname = remote_layout or layout
         mine, theirs = self._layout(None, layout), self._layout(peer, rname)
         if mine.block_len != theirs.block_len or len(mine.base_addrs) != len(theirs.base_addrs):
