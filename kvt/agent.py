@@ -67,7 +67,8 @@ def poll_until(check, timeout: float, what: str):
 
 #: transfer failures that mean the peer may have gone (and may come back as a new process)
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
-_RECOVER_TIMEOUT = 2.0  # seconds a failed wait() spends asking a lost peer for new metadata
+_RECOVER_TIMEOUT = 2.0  # seconds spent asking a lost peer for new metadata
+_RECOVER_EVERY = 0.1    # seconds between such attempts on a peer that stays lost (bounds the store load)
 
 
 class Transfer:
@@ -127,6 +128,7 @@ class Agent:
         self._preps: dict[tuple[str | None, str], PrepHandle] = {}
         self._pending: dict[str, list[bytes]] = {}
         self._routes: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
+        self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
         self._discovery = None
         self._lock = threading.RLock()
         self._server: HandshakeServer | None = None
@@ -207,7 +209,9 @@ class Agent:
         ``publish``-ed in the discovery store (``KVT_DISCOVERY``).  kvt
         remembers it: when waiting on a transfer to the peer finds it failed as
         if the peer had gone (``PeerDisconnected``, ``TransferTimeout``), kvt
-        reconnects the same way, so a restarted peer is picked up."""
+        reconnects the same way, and while it stays gone the next transfer to
+        it tries again first (at most every 0.1 s, for at most 2 s), so a
+        restarted peer is picked up with no call from the user."""
         self._check_open()
         name = self.add_peer(self._fetch(endpoint, timeout))
         self._routes[name] = endpoint
@@ -249,8 +253,9 @@ class Agent:
         if peer in self._routes and not self._closed:
             try:
                 self.reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT))
-            except KvtError:
-                pass  # still gone: the caller sees the transfer's own error; the next failure tries again
+                self._lost.pop(peer, None)
+            except KvtError:  # still gone: the caller sees the transfer's own error
+                self._lost[peer] = time.monotonic()
 
     @property
     def discovery(self):
@@ -288,6 +293,7 @@ class Agent:
             self._drop_preps(lambda p, _: p == peer)
             self._peers.pop(peer, None)
             self._routes.pop(peer, None)
+            self._lost.pop(peer, None)
             self.backend.remove_remote(peer)
 
     def peer_info(self, peer: str) -> AgentInfo:
@@ -316,6 +322,8 @@ class Agent:
     def transfer_blocks(self, op: Op, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
                         notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
         self._check_open()
+        if self._lost and peer in self._lost and time.monotonic() - self._lost[peer] >= _RECOVER_EVERY:
+            self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
         rname = remote_layout or layout
         mine, theirs = self._layout(None, layout), self._layout(peer, rname)
         if mine.block_len != theirs.block_len or len(mine.base_addrs) != len(theirs.base_addrs):

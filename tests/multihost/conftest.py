@@ -51,14 +51,14 @@ class Node:
 
     def __init__(self, host: Host, name: str, backend: str, salt: int = 1, *, port: int = 0,
                  timeout: float = 5.0, options: dict | None = None, env: dict | None = None,
-                 publish: str | None = None, start_timeout: float = 60.0):
+                 publish: str | None = None, ttl: float | None = None, start_timeout: float = 60.0):
         self.host, self.name, self.backend = host, name, backend
         opts = {"timeout": timeout}
         if backend == "host":
             opts["listen_host"] = host.addr
         opts.update(options or {})
         spec = {"name": name, "backend": backend, "options": opts, "addr": host.addr, "port": port,
-                "blocks": NUM_BLOCKS, "block": BLOCK, "salt": salt, "publish": publish}
+                "blocks": NUM_BLOCKS, "block": BLOCK, "salt": salt, "publish": publish, "ttl": ttl}
         self._err = tempfile.TemporaryFile()
         self.proc = host.popen([sys.executable, NODE, json.dumps(spec)], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=self._err,
@@ -139,3 +139,37 @@ def nodes():
 def need_backend(name: str) -> None:
     if why := backend_usable(name):
         pytest.skip(f"backend {name} unusable here: {why}")
+
+
+@pytest.fixture
+def etcd(net):
+    """A real etcd server on the first test host; yields its ``etcd://`` URL."""
+    import shutil
+    import urllib.request
+
+    if not shutil.which("etcd"):
+        pytest.skip("etcd not installed (scripts/dev setup installs the etcd-server package as root)")
+    host = net.hosts[0]
+    with tempfile.TemporaryDirectory() as data:
+        client, peer = f"http://{host.addr}:2379", f"http://{host.addr}:2380"
+        log = tempfile.TemporaryFile()
+        proc = host.popen(["etcd", "--name", "kvt", "--data-dir", data, "--listen-client-urls", client,
+                           "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                           "--initial-advertise-peer-urls", peer, "--initial-cluster", f"kvt={peer}"],
+                          stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while True:  # ready once it answers a read (asked from inside its namespace)
+                r = host.run([sys.executable, "-c", f"import urllib.request as u; u.urlopen(u.Request("
+                              f"'{client}/v3/kv/range', data=b'{{\"key\": \"AA==\"}}'), timeout=2).read()"],
+                             capture_output=True)
+                if r.returncode == 0:
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    pytest.fail(f"etcd did not start: {log.read()[-2000:].decode(errors='replace')}")
+                time.sleep(0.2)
+            yield f"etcd://{host.addr}:2379"
+        finally:
+            proc.kill()
+            proc.wait(10)

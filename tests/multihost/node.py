@@ -11,6 +11,7 @@ JSON command per line with one JSON line:
         -> {"ok": true, "verified": bool}  or  {"ok": false, "error": TypeName, "msg": ...}
     {"cmd": "write", ...same...}                   -> same (verified by the peer's "check")
     {"cmd": "check", "ids": [..], "salt": S}       -> {"verified": bool}
+    {"cmd": "resolve", "name": N}                  -> {"endpoint": E} (through KVT_DISCOVERY)
     {"cmd": "paths"}                               -> backend-specific path facts
     {"cmd": "quit"}
 
@@ -47,7 +48,7 @@ def main() -> None:
         agent.register_blocks("kv", [buf])
         endpoint = agent.listen(spec["addr"], spec.get("port", 0))
         if spec.get("publish"):  # discovery: under our name, with a lease
-            agent.publish(spec["publish"])
+            agent.publish(spec["publish"], spec.get("ttl"))
         print(json.dumps({"endpoint": endpoint, "name": agent.name}), file=out, flush=True)
         for line in sys.stdin:
             req = json.loads(line)
@@ -69,6 +70,8 @@ def main() -> None:
                     rep["ok"] = True
                     if cmd == "read":
                         rep["verified"] = bool((buf[local] == pattern(nb, bs, req["salt"])[remote]).all())
+                elif cmd == "resolve":
+                    rep["endpoint"] = agent.discovery.resolve(req["name"])
                 elif cmd == "check":
                     rep["verified"] = bool((buf[req["ids"]] == pattern(nb, bs, req["salt"])[req["ids"]]).all())
                 elif cmd == "paths":
