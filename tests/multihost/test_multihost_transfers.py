@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BACKENDS, need_backend
+from cluster import BACKENDS, need_backend
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

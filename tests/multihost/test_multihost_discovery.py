@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import need_backend
+from cluster import need_backend
 
 TTL = 2.0
 

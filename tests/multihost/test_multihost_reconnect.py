@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BACKENDS, need_backend
+from cluster import BACKENDS, need_backend
 
 PORT = 7800  # the side channel's port on its test host: the restarted agent listens there again
 LOST = ("PeerDisconnected", "TransferTimeout")
