@@ -24,8 +24,10 @@ import numpy as np
 
 from . import registry
 from .config import Config, load_config
-from .errors import (ClosedError, HandshakeError, IncompatiblePeer, InvalidArgument, KvtError,
-                     KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, WireError)
+from .errors import (ClosedError, HandshakeError, IncompatiblePeer, IntegrityError, InvalidArgument, KvtError,
+                     KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, UnsupportedOperation,
+                     WireError)
+from . import integrity
 from .handshake import HandshakeServer, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
 from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
@@ -74,6 +76,8 @@ _RECOVER_EVERY = 0.1    # seconds between such attempts on a peer that stays los
 class Transfer:
     """A posted transfer: poll with ``state()``, block with ``wait()``."""
 
+    verify = None  #: with integrity checks on: proves the landed bytes once DONE (raises IntegrityError)
+
     def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int, peer: str | None = None):
         self._agent, self.handle, self.nbytes, self.peer = agent, handle, nbytes, peer
         self._released = False
@@ -97,6 +101,8 @@ class Transfer:
             if isinstance(state.cause, _PEER_LOST) and self.peer is not None:
                 self._agent._recover(self.peer)
             raise state.cause
+        if self.verify is not None:
+            self.verify()
 
     def release(self) -> None:
         """Free the handle (idempotent for this object)."""
@@ -196,10 +202,37 @@ class Agent:
 
     def _answer(self, body: bytes) -> bytes:
         try:
-            decode(body, HandshakeRequest)
+            try:
+                decode(body, HandshakeRequest)
+            except WireError:
+                return encode(HandshakeReply(payload=self._digest(decode(body, integrity.DigestRequest))))
             return encode(HandshakeReply(payload=encode(self.info())))
         except KvtError as e:
             return encode(HandshakeReply(error=f"{type(e).__name__}: {e}"))
+
+    def _digest(self, req: "integrity.DigestRequest") -> bytes:
+        if len(req.block_ids) % 8:
+            raise WireError(f"digest request of {len(req.block_ids)} bytes of block ids is not int64s")
+        return integrity.digest(self._layout(None, req.layout), np.frombuffer(req.block_ids, np.int64)).tobytes()
+
+    def _verify(self, op: Op, peer: str, layout: str, rlayout: str, local_ids, remote_ids) -> None:
+        """Digest what we hold of the transfer, ask the peer for its side's, compare."""
+        mine = self._layouts[layout]
+        if op is Op.READ:
+            integrity.maybe_flip(mine, local_ids)
+        digest = integrity.digest(mine, local_ids)
+        what = f"{op.value} of {np.size(local_ids)} blocks {'from' if op is Op.READ else 'to'} peer {peer!r}"
+        try:
+            route = self._routes[peer]
+            endpoint = route if "://" in route else self.discovery.resolve(route)
+            reply = decode(request(endpoint, encode(integrity.DigestRequest(
+                layout=rlayout, block_ids=np.asarray(remote_ids, np.int64).tobytes())),
+                self.config.handshake_timeout), HandshakeReply)
+            if reply.error:
+                raise HandshakeError(reply.error)
+        except KvtError as e:  # unverified counts as failed: integrity checks fail closed
+            raise IntegrityError(f"{what} could not be verified: {type(e).__name__}: {e}") from e
+        integrity.compare(digest, np.frombuffer(reply.payload, np.uint64), what)
 
     def connect(self, endpoint: str, timeout: float | None = None) -> str:
         """Fetch a peer's ``AgentInfo`` through its side channel and load it.
@@ -332,8 +365,14 @@ class Agent:
                 f"peer {peer!r}'s {rname!r} ({len(theirs.base_addrs)} x {theirs.block_len} B)")
         lidx = self.block_index(mine, local_ids)
         ridx = self.block_index(theirs, remote_ids)
+        if self.config.integrity and peer not in self._routes:
+            raise UnsupportedOperation(f"integrity checks ask the peer for its digests through its side channel: "
+                                       f"connect() to {peer!r} rather than add_peer()")
         handle = self.backend.transfer(op, self._prep(None, layout), lidx, self._prep(peer, rname), ridx, notif)
-        return Transfer(self, handle, int(lidx.size) * mine.block_len, peer)
+        t = Transfer(self, handle, int(lidx.size) * mine.block_len, peer)
+        if self.config.integrity:
+            t.verify = lambda: self._verify(Op(op), peer, layout, rname, local_ids, remote_ids)
+        return t
 
     @staticmethod
     def block_index(layout: BlockLayout, block_ids: Any) -> np.ndarray:
