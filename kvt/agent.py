@@ -258,9 +258,8 @@ class Agent:
 
     def reconnect(self, peer: str, timeout: float | None = None) -> bool:
         """Fetch ``peer``'s metadata again the way ``connect`` first reached it
-        and reload it if it changed (a restarted peer: the old incarnation's
-        state is dropped, its in-flight transfers end ``ERR``).  True if it
-        changed.  ``PeerDisconnected`` if the peer is not back (yet).
+        and reload it (a restarted peer: the old incarnation's state is
+        dropped, its in-flight transfers end ``ERR``).  True if it changed.  ``PeerDisconnected`` if the peer is not back (yet).
         Called by ``Transfer.wait`` on a lost peer; call it yourself when you
         poll with ``state()``."""
         self._check_open()
@@ -277,10 +276,10 @@ class Agent:
             raise IncompatiblePeer(f"{route} is now agent {info.name!r}, not {peer!r}")
         with self._lock:
             old = self._peers.get(peer)
-            if old is not None and old.metadata == info.metadata and old.layouts == info.layouts:
-                return False
+            # reloaded even when unchanged: a backend that gave up on a silent peer (frozen, or
+            # cut off for a while) counts it as reachable again
             self.add_peer(info)
-            return True
+            return old is None or old.metadata != info.metadata or old.layouts != info.layouts
 
     def _recover(self, peer: str) -> None:
         if peer in self._routes and not self._closed:
