@@ -72,4 +72,6 @@ def test_soak(net, nodes, backend):
             json.dump(_figures, f, indent=1)
     print(backend, counts)
     assert counts["corrupted"] == 0 and counts["hung"] == 0, counts
-    assert counts["completed"] >= n // 2, counts
+    # each restart costs about one request, the freeze a few, loss the odd timeout: more means a
+    # peer that came back was not picked up again
+    assert counts["failed_cleanly"] <= 10 + n // 100, counts
