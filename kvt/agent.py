@@ -26,8 +26,10 @@ import numpy as np
 
 from . import registry
 from .config import Config, load_config
-from .errors import (ClosedError, HandshakeError, IncompatiblePeer, InvalidArgument, KvtError,
-                     KvtTimeoutError, UnknownPeer, WireError)
+from .errors import (ClosedError, HandshakeError, IncompatiblePeer, IntegrityError, InvalidArgument, KvtError,
+                     KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, UnsupportedOperation,
+                     WireError)
+from . import integrity
 from .handshake import HandshakeServer, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
 from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
@@ -67,6 +69,12 @@ def poll_until(check, timeout: float, what: str):
             time.sleep(min(delay, deadline - now))
 
 
+#: transfer failures that mean the peer may have gone (and may come back as a new process)
+_PEER_LOST = (PeerDisconnected, TransferTimeout)
+_RECOVER_TIMEOUT = 2.0  # seconds spent asking a lost peer for new metadata
+_RECOVER_EVERY = 0.1    # seconds between such attempts on a peer that stays lost (bounds the store load)
+
+
 @dataclass(frozen=True, slots=True)
 class Telemetry:
     """What one transfer cost, as ``Transfer.telemetry`` reports it (like
@@ -82,10 +90,15 @@ class Transfer:
     """A posted transfer: poll with ``state()``, block with ``wait()``, or
     ``await`` it from a coroutine."""
 
-    __slots__ = ("_agent", "_backend", "handle", "nbytes", "descs", "_t0", "_t1", "_t2", "_released")
+    __slots__ = ("_agent", "_backend", "handle", "nbytes", "descs", "peer", "verify",
+                 "_t0", "_t1", "_t2", "_released")
 
-    def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int, descs: int = 0, t0: int | None = None):
+    def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int, descs: int = 0, t0: int | None = None,
+                 peer: str | None = None):
         self._agent, self._backend, self.handle, self.nbytes, self.descs = agent, agent.backend, handle, nbytes, descs
+        self.peer = peer
+        #: with integrity checks on: proves the landed bytes once DONE (raises IntegrityError)
+        self.verify = None
         self._t1 = perf_counter_ns()
         self._t0 = self._t1 if t0 is None else t0
         self._t2: int | None = None
@@ -100,7 +113,10 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> None:
         """Until ``DONE``; raises the ``TransferError`` cause on ``ERR``,
         ``KvtTimeoutError`` after ``timeout`` (default: transfer_timeout + 5 s).
-        Blocks on the backend's completion event where it has one."""
+        Blocks on the backend's completion event where it has one.  A failure
+        that looks like the peer went away first tries, briefly, to reconnect
+        it (``Agent.reconnect``), so the next transfer reaches a peer that
+        restarted meanwhile."""
         state = self.state()
         if state.pending:
             t = self._agent.config.transfer_timeout + 5 if timeout is None else timeout
@@ -109,7 +125,11 @@ class Transfer:
                 raise KvtTimeoutError(f"transfer {self.handle} ({self.nbytes} bytes) did not happen within {t:g}s")
             self._t2 = perf_counter_ns()
         if state.failed:
+            if isinstance(state.cause, _PEER_LOST) and self.peer is not None:
+                self._agent._recover(self.peer)
             raise state.cause
+        if self.verify is not None:
+            self.verify()
 
     def __await__(self):
         """``await transfer``: ``wait()`` on a worker thread, so the event loop runs meanwhile."""
@@ -173,6 +193,9 @@ class Agent:
         self._routes: dict[tuple[str, str, str], _Route] = {}  # (peer, layout, remote layout) -> checked, prepped
         self._nblocks: dict[PrepHandle, int] = {}  # blocks per region of each prepped layout
         self._pending: dict[str, list[bytes]] = {}
+        self._reach: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
+        self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
+        self._discovery = None
         self._lock = threading.RLock()
         self._server: HandshakeServer | None = None
         self._closed = False
@@ -240,17 +263,109 @@ class Agent:
 
     def _answer(self, body: bytes) -> bytes:
         try:
-            decode(body, HandshakeRequest)
+            try:
+                decode(body, HandshakeRequest)
+            except WireError:
+                return encode(HandshakeReply(payload=self._digest(decode(body, integrity.DigestRequest))))
             return encode(HandshakeReply(payload=encode(self.info())))
         except KvtError as e:
             return encode(HandshakeReply(error=f"{type(e).__name__}: {e}"))
 
+    def _digest(self, req: "integrity.DigestRequest") -> bytes:
+        if len(req.block_ids) % 8:
+            raise WireError(f"digest request of {len(req.block_ids)} bytes of block ids is not int64s")
+        return integrity.digest(self._layout(None, req.layout), np.frombuffer(req.block_ids, np.int64)).tobytes()
+
+    def _verify(self, op: Op, peer: str, layout: str, rlayout: str, local_ids, remote_ids) -> None:
+        """Digest what we hold of the transfer, ask the peer for its side's, compare."""
+        mine = self._layouts[layout]
+        if op is Op.READ:
+            integrity.maybe_flip(mine, local_ids)
+        digest = integrity.digest(mine, local_ids)
+        what = f"{op.value} of {np.size(local_ids)} blocks {'from' if op is Op.READ else 'to'} peer {peer!r}"
+        try:
+            route = self._reach[peer]
+            endpoint = route if "://" in route else self.discovery.resolve(route)
+            reply = decode(request(endpoint, encode(integrity.DigestRequest(
+                layout=rlayout, block_ids=np.asarray(remote_ids, np.int64).tobytes())),
+                self.config.handshake_timeout), HandshakeReply)
+            if reply.error:
+                raise HandshakeError(reply.error)
+        except KvtError as e:  # unverified counts as failed: integrity checks fail closed
+            raise IntegrityError(f"{what} could not be verified: {type(e).__name__}: {e}") from e
+        integrity.compare(digest, np.frombuffer(reply.payload, np.uint64), what)
+
     def connect(self, endpoint: str, timeout: float | None = None) -> str:
         """Fetch a peer's ``AgentInfo`` through its side channel and load it.
-        Returns the peer's name.  ``HandshakeTimeout`` if it never answers."""
+        Returns the peer's name.  ``HandshakeTimeout`` if it never answers.
+
+        ``endpoint`` is ``tcp://host:port``, or a name another agent
+        ``publish``-ed in the discovery store (``KVT_DISCOVERY``).  kvt
+        remembers it: when waiting on a transfer to the peer finds it failed as
+        if the peer had gone (``PeerDisconnected``, ``TransferTimeout``), kvt
+        reconnects the same way, and while it stays gone the next transfer to
+        it tries again first (at most every 0.1 s, for at most 2 s), so a
+        restarted peer is picked up with no call from the user."""
         self._check_open()
-        return self.add_peer(fetch_info(endpoint, self.name,
-                                        self.config.handshake_timeout if timeout is None else timeout))
+        name = self.add_peer(self._fetch(endpoint, timeout))
+        self._reach[name] = endpoint
+        return name
+
+    def _fetch(self, route: str, timeout: float | None) -> AgentInfo:
+        t = self.config.handshake_timeout if timeout is None else timeout
+        if "://" not in route:
+            route = self.discovery.resolve(route, timeout=t)
+        return fetch_info(route, self.name, t)
+
+    def reconnect(self, peer: str, timeout: float | None = None) -> bool:
+        """Fetch ``peer``'s metadata again the way ``connect`` first reached it
+        and reload it (a restarted peer: the old incarnation's state is
+        dropped, its in-flight transfers end ``ERR``).  True if it changed.  ``PeerDisconnected`` if the peer is not back (yet).
+        Called by ``Transfer.wait`` on a lost peer; call it yourself when you
+        poll with ``state()``."""
+        self._check_open()
+        route = self._reach.get(peer)
+        if route is None:
+            raise PeerDisconnected(f"peer {peer!r} seems gone and was added by add_peer(), so kvt cannot "
+                                   "reach it again by itself; connect() to it again")
+        try:
+            info = self._fetch(route, timeout)
+        except KvtError as e:
+            raise PeerDisconnected(f"peer {peer!r} seems gone and does not answer at {route} ({e}); "
+                                   "the next transfer tries again") from e
+        if info.name != peer:
+            raise IncompatiblePeer(f"{route} is now agent {info.name!r}, not {peer!r}")
+        with self._lock:
+            old = self._peers.get(peer)
+            # reloaded even when unchanged: a backend that gave up on a silent peer (frozen, or
+            # cut off for a while) counts it as reachable again
+            self.add_peer(info)
+            return old is None or old.metadata != info.metadata or old.layouts != info.layouts
+
+    def _recover(self, peer: str) -> None:
+        if peer in self._reach and not self._closed:
+            try:
+                self.reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT))
+                self._lost.pop(peer, None)
+            except KvtError:  # still gone: the caller sees the transfer's own error
+                self._lost[peer] = time.monotonic()
+
+    @property
+    def discovery(self):
+        """The discovery store named by ``KVT_DISCOVERY`` / the ``discovery``
+        setting (``ConfigError`` if none is configured)."""
+        if self._discovery is None:
+            from .discovery import open_store
+            self._discovery = open_store(self.config.discovery)
+        return self._discovery
+
+    def publish(self, name: str | None = None, ttl: float | None = None) -> None:
+        """Publish our side-channel endpoint in the discovery store under
+        ``name`` (default: our agent name) with a lease of ``ttl`` seconds,
+        kept alive while we run; a peer then ``connect(name)``-s.  Starts the
+        side channel if needed."""
+        endpoint = self.endpoint or self.listen()
+        self.discovery.publish(name or self.name, endpoint, ttl)
 
     def add_peer(self, info: AgentInfo | bytes) -> str:
         """Load a peer's ``AgentInfo`` (re-adding refreshes it)."""
@@ -270,6 +385,8 @@ class Agent:
         with self._lock:
             self._drop_preps(lambda p, _: p == peer)
             self._peers.pop(peer, None)
+            self._reach.pop(peer, None)
+            self._lost.pop(peer, None)
             self.backend.remove_remote(peer)
 
     def peer_info(self, peer: str) -> AgentInfo:
@@ -300,7 +417,10 @@ class Agent:
         t0 = perf_counter_ns()
         if self._closed:
             self._check_open()
-        route = self._routes.get((peer, layout, remote_layout or layout)) or self._route(peer, layout, remote_layout)
+        if self._lost and peer in self._lost and time.monotonic() - self._lost[peer] >= _RECOVER_EVERY:
+            self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
+        rname = remote_layout or layout
+        route = self._routes.get((peer, layout, rname)) or self._route(peer, layout, rname)
         if route.lregions is None:  # one region: block ids are the indices, and the backend checks them
             lidx, ridx = local_ids, remote_ids
             n = self._nblocks[route.lprep] if local_ids is None else len(local_ids)
@@ -308,19 +428,24 @@ class Agent:
             lidx, ridx = self._index(route.lregions, local_ids, route.lprep), self._index(route.rregions, remote_ids, route.rprep)
             n = lidx.size
         handle = self.backend.transfer(op, route.lprep, lidx, route.rprep, ridx, notif)
-        return Transfer(self, handle, n * route.block_len, n, t0)
+        t = Transfer(self, handle, n * route.block_len, n, t0, peer)
+        if self.config.integrity:
+            t.verify = lambda: self._verify(Op(op), peer, layout, rname, local_ids, remote_ids)
+        return t
 
     def _index(self, regions: np.ndarray, block_ids: Any, prep: PrepHandle) -> np.ndarray:
         return (regions + as_index(block_ids, self._nblocks[prep], "block ids")).ravel()
 
-    def _route(self, peer: str, layout: str, remote_layout: str | None) -> _Route:
+    def _route(self, peer: str, layout: str, rname: str) -> _Route:
         """Check and prep a layout pairing once; transfers then reuse it."""
-        rname = remote_layout or layout
         mine, theirs = self._layout(None, layout), self._layout(peer, rname)
         if mine.block_len != theirs.block_len or len(mine.base_addrs) != len(theirs.base_addrs):
             raise IncompatiblePeer(
                 f"layout {layout!r} ({len(mine.base_addrs)} regions x {mine.block_len} B blocks) does not match "
                 f"peer {peer!r}'s {rname!r} ({len(theirs.base_addrs)} x {theirs.block_len} B)")
+        if self.config.integrity and peer not in self._reach:
+            raise UnsupportedOperation(f"integrity checks ask the peer for its digests through its side channel: "
+                                       f"connect() to {peer!r} rather than add_peer()")
         with self._lock:
             route = _Route(self._prep(None, layout), self._prep(peer, rname), mine, theirs)
             self._nblocks[route.lprep], self._nblocks[route.rprep] = mine.num_blocks, theirs.num_blocks
@@ -399,6 +524,8 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        if self._discovery is not None:
+            self._discovery.close()
         if self._server is not None:
             self._server.close()
         self.backend.close()

@@ -31,10 +31,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["Config", "load_config", "ENV_BACKEND", "ENV_CONFIG"]
+__all__ = ["Config", "load_config", "ENV_BACKEND", "ENV_CONFIG", "ENV_DISCOVERY", "ENV_INTEGRITY"]
 
 ENV_BACKEND = "KVT_BACKEND"
 ENV_CONFIG = "KVT_CONFIG"
+ENV_DISCOVERY = "KVT_DISCOVERY"
+ENV_INTEGRITY = "KVT_INTEGRITY"
 
 _Seconds = Annotated[float, msgspec.Meta(gt=0)]
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
@@ -57,6 +59,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     handshake_timeout: _Seconds = 5.0
     #: seconds before an unresponsive peer turns a transfer to ERR
     transfer_timeout: _Seconds = 30.0
+    #: where agents publish and resolve each other by name (``etcd://host:port``,
+    #: ``tcpstore://host:port``); ``None``: connect by endpoint only (kvt/discovery.py)
+    discovery: _Text | None = None
+    #: verify every waited block transfer end to end with checksums (kvt/integrity.py)
+    integrity: bool = False
 
     def __post_init__(self) -> None:
         timeout = self.options.get("timeout", self.transfer_timeout)
@@ -145,6 +152,11 @@ def load_config(backend: str | None = None, options: Mapping[str, Any] | None = 
 
     if env.get(ENV_BACKEND):
         values["backend"], sources["backend"] = env[ENV_BACKEND], f"environment variable {ENV_BACKEND}"
+    if env.get(ENV_INTEGRITY):
+        values["integrity"] = env[ENV_INTEGRITY].strip().lower() in ("1", "true", "yes", "on")
+        sources["integrity"] = f"environment variable {ENV_INTEGRITY}"
+    if env.get(ENV_DISCOVERY):
+        values["discovery"], sources["discovery"] = env[ENV_DISCOVERY], f"environment variable {ENV_DISCOVERY}"
 
     explicit = {k: v for k, v in {"backend": backend, **overrides}.items() if v is not None}
     for key in explicit:

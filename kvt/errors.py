@@ -20,7 +20,9 @@
     ├── TransferError             (RuntimeError)   the cause carried by ``XferState.ERR``
     │   ├── PeerDisconnected      (ConnectionError) the peer died or went away mid-transfer
     │   ├── TransferTimeout       (TimeoutError)   no completion within the configured timeout
-    │   └── RemoteRejected                         the target refused the request (e.g. out of region)
+    │   ├── RemoteRejected                         the target refused the request (e.g. out of region)
+    │   └── IntegrityError                         the bytes arrived, but not the bytes that were sent
+    ├── DiscoveryError            (ConnectionError) the discovery store is unreachable or answered nonsense
     ├── KvtTimeoutError           (TimeoutError)   a blocking kvt call ran out of time
     └── ClosedError               (RuntimeError)   the agent or backend is closed
 
@@ -39,7 +41,7 @@ __all__ = [
     "InvalidDescriptor", "UnknownPeer", "InvalidHandle", "WireError",
     "VersionMismatch", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer",
     "TransferError", "PeerDisconnected", "TransferTimeout", "RemoteRejected",
-    "KvtTimeoutError", "ClosedError",
+    "KvtTimeoutError", "ClosedError", "IntegrityError", "DiscoveryError",
 ]
 
 
@@ -118,6 +120,14 @@ class TransferTimeout(TransferError, TimeoutError):
 
 class RemoteRejected(TransferError):
     """The target refused the request (e.g. memory it never registered)."""
+
+
+class IntegrityError(TransferError):
+    """The checksum of what arrived differs from the sender's (kvt.integrity)."""
+
+
+class DiscoveryError(KvtError, ConnectionError):
+    """The discovery store (etcd, TCPStore) is unreachable or sent something unreadable."""
 
 
 class KvtTimeoutError(KvtError, TimeoutError):

@@ -13,11 +13,13 @@ __all__ = ["host_id", "start_time"]
 
 
 def host_id() -> str:
-    """Boot id plus pid namespace: equal for two processes that share a host
-    and can see each other's pids."""
+    """Boot id plus pid and network namespaces: equal for two processes that
+    share a host, see each other's pids and share one network view.  Two
+    network namespaces count as two hosts (containers, test hosts): a peer's
+    addresses mean something else there, so same-host shortcuts stay off."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
-    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}:{os.stat('/proc/self/ns/net').st_ino}"
 
 
 def start_time(pid: int) -> int:

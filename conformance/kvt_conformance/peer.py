@@ -48,6 +48,10 @@ _READY = "KVT-PEER"
 _LIFETIME = 1800.0      # seconds; a peer never outlives a stuck test run by much
 _COMMAND_TIMEOUT = 30.0  # seconds for a command that does not wait on anything
 _peer_ids = itertools.count(1)
+#: run the peer on another test host (tests/multihost): the network namespace to start it in,
+#: the address its channels bind to there, and JSON options that override the test's for it
+_ENV_NETNS, _ENV_HOST, _ENV_OPTIONS = "KVT_CONFORMANCE_PEER_NETNS", "KVT_CONFORMANCE_PEER_HOST", \
+    "KVT_CONFORMANCE_PEER_OPTIONS"
 
 
 
@@ -131,7 +135,8 @@ class PeerCore:
 
     def serve_metadata(self) -> str:
         """Serve this agent's metadata through kvt's handshake; returns the endpoint."""
-        server = HandshakeServer(lambda _request: self.backend.local_metadata()).start()
+        server = HandshakeServer(lambda _request: self.backend.local_metadata(),
+                                 os.environ.get(_ENV_HOST, "127.0.0.1")).start()
         self._servers.append(server)
         return server.endpoint
 
@@ -259,7 +264,7 @@ def main(argv: list[str]) -> int:
         return 3
     core = PeerCore(backend)
     stop = threading.Event()
-    server = HandshakeServer(lambda body: _dispatch(core, stop, body)).start()
+    server = HandshakeServer(lambda body: _dispatch(core, stop, body), os.environ.get(_ENV_HOST, "127.0.0.1")).start()
     print(f"{_READY} {server.endpoint}", file=to_parent, flush=True)
     to_parent.close()
     threading.Thread(target=_watch_parent, args=(stop,), daemon=True).start()
@@ -313,10 +318,12 @@ class ProcessPeer:
     def __init__(self, target: Target, start_timeout: float = 60.0, **options: Any):
         self.target = target
         name = f"kvt-conformance-peer-{os.getpid()}-{next(_peer_ids)}"
-        spec = {"target": target.spec, "name": name, "options": {**target.options, **options}}
+        spec = {"target": target.spec, "name": name,
+                "options": {**target.options, **options, **json.loads(os.environ.get(_ENV_OPTIONS) or "{}")}}
         env = {**os.environ, "PYTHONPATH": _python_path()}
         self._stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvt_conformance.peer", json.dumps(spec)],
+        netns = ["ip", "netns", "exec", os.environ[_ENV_NETNS]] if os.environ.get(_ENV_NETNS) else []
+        self.proc = subprocess.Popen([*netns, sys.executable, "-m", "kvt_conformance.peer", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env)
         try:
             self.endpoint = self._await_ready(start_timeout)

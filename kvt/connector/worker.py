@@ -83,6 +83,9 @@ class _Recv:
     deadline: float = float("inf")
     posted: float = 0.0          # perf_counter when its reads were posted
     post_s: float = 0.0          # time spent posting them
+    #: set on the retry of a read that failed with its peer lost: that peer's metadata back then
+    retry_of: dict[str, bytes] | None = None
+    first_error: str | None = None  # and why it failed the first time
 
 
 @dataclass
@@ -131,7 +134,7 @@ class ConnectorWorker:
         self._failures: dict[str, str] = {}
         self._live = 0  # transfer handles posted and not yet released
         self.stats = dict.fromkeys(("reads", "bytes_read", "recv_ok", "recv_failed", "notified_only",
-                                    "released_by_readers", "expired"), 0)
+                                    "released_by_readers", "expired", "retried"), 0)
         self._timings: list[tuple[float, float, int, int]] = []  # finished reads since take_timings
         self._closed = False
 
@@ -392,6 +395,10 @@ class ConnectorWorker:
             self._give_up(req_id, req, why)
             return
         recv = self._loading[req_id]
+        if recv.retry_of is not None and self._incarnations(remote) != recv.retry_of:
+            self._give_up(req_id, req, f"prefill engine {src.engine_id!r} restarted; the request's blocks "
+                                       "died with its old process (recompute it)")
+            return
         recv.settled, recv.remote = True, remote
         recv.deadline = time.monotonic() + self.config.transfer_timeout + _SLACK
         recv.posted = time.perf_counter()
@@ -408,6 +415,10 @@ class ConnectorWorker:
         except KvtError as e:
             recv.error = f"posting the read failed: {type(e).__name__}: {e}"
         recv.post_s = time.perf_counter() - recv.posted
+
+    def _incarnations(self, remote: "_Remote") -> dict[str, bytes]:
+        """The backend metadata of a connection's peers: it changes when a peer restarts."""
+        return {p: self.agent.peer_info(p).metadata for p in remote.peers.values()}
 
     def _give_up(self, req_id: str, req: RecvRequest, why: str) -> None:
         log.warning("request %s: %s", req_id, why)
@@ -469,14 +480,23 @@ class ConnectorWorker:
             self._timings.append((recv.post_s, time.perf_counter() - recv.posted,
                                   sum(t.nbytes for t in recv.transfers), len(ids)))
         else:
-            self.stats["recv_failed"] += 1
-            self._invalid.update(ids)
-            self._failures[req_id] = recv.error
             src = recv.req.remote
             if recv.peer_lost and self._remotes.get(src.engine_id) is recv.remote:
                 # the next request re-handshakes (e.g. with a restarted engine)
                 self._retired.append(self._remotes.pop(src.engine_id))
-            elif recv.remote is not None:  # tell the prefill side we are done with the blocks
+            if (recv.peer_lost and recv.retry_of is None and recv.remote is not None
+                    and self._lease_problem(src.expires_at) is None):
+                log.warning("request %s: %s; retrying once after a new handshake", req_id, recv.error)
+                self.stats["retried"] += 1
+                self._schedule(req_id, recv.req)
+                retry = self._loading[req_id]
+                retry.retry_of, retry.first_error = self._incarnations(recv.remote), recv.error
+                return
+            self.stats["recv_failed"] += 1
+            self._invalid.update(ids)
+            self._failures[req_id] = (recv.error if recv.first_error is None
+                                      else f"{recv.first_error}; retried once: {recv.error}")
+            if not recv.peer_lost and recv.remote is not None:  # tell the prefill side we are done with the blocks
                 self._notify(recv.remote.peers.values(), ReadNotif(src.request_id, self.consumer,
                                                                    self.config.tp_size, ok=False).encode())
         self._done_recving.add(req_id)

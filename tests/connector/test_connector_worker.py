@@ -166,3 +166,42 @@ def test_host_staging_copies_blocks_both_ways():
         h[[2]] = 7.0
     staging.load([2])
     assert all(torch.equal(d[2], torch.full((2, 3), 7.0)) for d in device)
+
+
+def test_read_that_lost_its_peer_is_retried_once(workers, monkeypatch):
+    """A read failing as if the prefill side had gone (a test double flips the
+    first read to ERR) is retried once after a new handshake, within the lease;
+    a second loss fails the request."""
+    from kvt.errors import PeerDisconnected
+    from kvt.types import XferState
+
+    p, pkv, endpoint = workers("p", fill=True)
+    d, dkv, _ = workers("d")
+    psched, dsched = ConnectorScheduler(config("p")), ConnectorScheduler(config("d"))
+    psched.set_worker_endpoints({0: endpoint})
+    real = d.agent.backend.check_state
+    lose = {"left": 1}
+
+    def flaky(handle):
+        state = real(handle)
+        if lose["left"] and not state.pending:
+            lose["left"] -= 1
+            return XferState.err(PeerDisconnected("test double: the peer vanished"))
+        return state
+
+    monkeypatch.setattr(d.agent.backend, "check_state", flaky)
+    for req_id, losses, blocks in (("once", 1, [1, 2]), ("twice", 2, [3, 4])):
+        lose["left"] = losses
+        params = handoff(psched, [p], blocks, 8)
+        dreq = EngineRequest(f"d-{req_id}", 8, dict(params))
+        dsched.update_state_after_alloc(dreq, [5, 6], dsched.get_num_new_matched_tokens(dreq, 0)[0])
+        d_done = [set(), set()]
+        d.start_load_kv(dsched.build_connector_meta())
+        pump([(d, d_done), (p, [set(), set()])], lambda: f"d-{req_id}" in d_done[1])
+        if losses == 1:
+            assert d.get_block_ids_with_load_errors() == set()
+            assert all(torch.equal(dkv[n][:, [5, 6]], pkv[n][:, blocks]) for n in pkv)
+        else:
+            assert d.get_block_ids_with_load_errors() == {5, 6}
+            assert "retried once" in d.failure_reasons()[f"d-{req_id}"]
+    assert d.stats["retried"] == 2 and d.stats["recv_ok"] == 1 and d.stats["recv_failed"] == 1

@@ -144,6 +144,11 @@ class _Lane:
         return True
 
 
+def _incarnation(md: HostMetadata) -> tuple:
+    """What changes when a peer restarts (same name, new process)."""
+    return md.host_id, md.pid, md.start_time, md.endpoint
+
+
 class _Peer:
     """What we know of a remote agent, and the lane that talks to it."""
 
@@ -157,6 +162,8 @@ class _Peer:
 
     def update(self, md: HostMetadata, transport: str) -> None:
         regions, segs = _checked(md)
+        if (self._maps or self._sock is not None) and _incarnation(md) != _incarnation(self.md):
+            self.close()  # a restarted peer: its old segments and server are gone
         self.md, self.regions = md, regions
         # on this host we can watch the peer's process; shm/cma also need transport != tcp
         self.local_pid = md.host_id == host_id() and start_time(md.pid) == md.start_time
@@ -226,6 +233,7 @@ class _Peer:
             self.epoch = None
         if self._sock is not None:
             self._sock.close()
+            self._sock = None
         for addr, size in self._maps.values():
             memops.munmap(addr, size)
         self._maps.clear()
@@ -344,6 +352,9 @@ class HostBackend(Backend):
             if peer is None:
                 self._peers[md.name] = _Peer(md, self.transport)
             else:  # on the peer's worker, between its transfers
+                if _incarnation(md) != _incarnation(peer.md):
+                    self._fail_jobs(peer, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
+                                                           "this transfer was meant for the old one"))
                 try:
                     peer.lane.submit(peer.update, md, self.transport).result(timeout=self.timeout)
                 except FuturesTimeout:
@@ -357,11 +368,14 @@ class HostBackend(Backend):
             p = self._peers.pop(peer, None)
             if p is None:
                 raise unknown_peer(peer, self._peers)
-            for job in self._xfers.values():
-                if job.peer is p:
-                    job.finish(XferState.err(PeerDisconnected(f"peer {peer!r} was removed")))
+            self._fail_jobs(p, PeerDisconnected(f"peer {peer!r} was removed"))
         p.lane.submit(p.close)
         p.lane.pool.shutdown(wait=False)
+
+    def _fail_jobs(self, peer: _Peer, cause: TransferError) -> None:
+        for job in self._xfers.values():
+            if job.peer is peer:
+                job.finish(XferState.err(cause))
 
     def _peer(self, name: str) -> _Peer:
         p = self._peers.get(name)

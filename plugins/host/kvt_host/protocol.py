@@ -21,7 +21,7 @@ class HostMetadata(Message, tag="host_md"):
 
     name: str
     endpoint: str                 # the agent's server (ZMQ ROUTER, tcp)
-    host_id: str                  # boot id + pid namespace: same value = same host and /proc view
+    host_id: str                  # kvt.procs.host_id(): same value = same host, /proc view and network
     pid: int
     start_time: int               # /proc/<pid>/stat start time, so a reused pid is not mistaken for us
     regions: dict[str, bytes]     # memory kind -> (n, 3) uint64 rows (address, length, device)

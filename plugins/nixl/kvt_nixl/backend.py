@@ -123,6 +123,7 @@ class NixlBackend(Backend):
         self._peers: dict[str, dict[MemKind, Descs]] = {}  # name -> the regions it advertised
         self._epoch = Epoch()                            # bumped by deregister, watched by same-host peers
         self._watches: dict[str, EpochWatch | None] = {}  # same-host peers' epochs
+        self._blobs: dict[str, bytes] = {}               # name -> its NIXL metadata (a new one: it restarted)
         self._preps: dict[int, _Prep] = {}
         self._xfers: dict[int, Any] = {}                 # handle -> _Xfer, or NIXL's handle alone
                                                          # for a transfer that finished within its post
@@ -186,6 +187,11 @@ class NixlBackend(Backend):
         if md.name == self.agent_name:
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
         with self._lock:
+            if md.name in self._peers and self._blobs.get(md.name) != md.nixl:
+                # a restarted peer (same name, new process): NIXL would keep talking to the old
+                # one, so forget it first; what was in flight to it ends ERR
+                self._drop_peer(md.name, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
+                                                          "this transfer was meant for the old one"))
             try:
                 name = self._agent.add_remote_agent(md.nixl)
             except Exception as e:
@@ -203,7 +209,7 @@ class NixlBackend(Backend):
                             pass
                 raise WireError(f"metadata says agent {md.name!r} but its NIXL part belongs to {name!r}")
             name = md.name
-            self._peers[name] = regions
+            self._peers[name], self._blobs[name] = regions, md.nixl
             self._watches[name] = watch = epoch_watch(md)
             self._retire(lambda p: p.peer == name)  # NIXL refuses lists prepped before a reload
             for p in self._preps.values():
@@ -214,14 +220,21 @@ class NixlBackend(Backend):
     def remove_remote(self, peer: str) -> None:
         self._check_open()
         with self._lock:
-            if self._peers.pop(peer, None) is None:
+            if peer not in self._peers:
                 raise unknown_peer(peer, self._peers)
+            self._drop_peer(peer, PeerDisconnected(f"peer {peer!r} was removed"))
+
+    def _drop_peer(self, peer: str, cause: TransferError) -> None:
+        """Forget ``peer`` here and in NIXL; its transfers in flight end with ``cause``."""
+        with self._lock:
+            del self._peers[peer]
+            self._blobs.pop(peer, None)
             self._watches.pop(peer, None)
             for x in list(self._xfers.values()):
                 if x.__class__ is _Xfer and x.peer == peer and x.state is _PROC:
                     self._poll(x)
                     if x.state is _PROC:
-                        x.state = XferState.err(PeerDisconnected(f"peer {peer!r} was removed"))
+                        x.state = XferState.err(cause)
                         self._free_xfer(x, wait=False)
             self._retire(lambda p: p.peer == peer)
             self._agent.remove_remote_agent(peer)  # returns a status; nothing to undo either way

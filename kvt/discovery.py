@@ -1,0 +1,287 @@
+"""Finding agents by name through a store operators already run.
+
+An agent ``publish``-es its side-channel endpoint under a name with a lease;
+peers ``resolve`` the name to the endpoint and handshake as usual (the
+metadata itself still comes from the agent, so it is never stale).  A
+publisher keeps its lease alive from a daemon thread; when it dies the lease
+runs out and the name stops resolving.  Chosen by ``KVT_DISCOVERY`` (or the
+``discovery`` setting):
+
+* ``etcd://host:port[,host:port...]`` — etcd v3, through its JSON gateway
+  (``/v3/kv/*``, ``/v3/lease/*``) over plain HTTP with the standard
+  library: no client package, no protobuf pins.  Leases are etcd's own.
+* ``tcpstore://host:port`` — torch's c10d ``TCPStore`` (zero install where
+  torch is); ``tcpstore://host:port?server=1`` also hosts the store in this
+  process.  TCPStore has no leases: a record carries its wall-clock expiry
+  and the publisher rewrites it, so resolvers need clocks in step (NTP).
+
+Everything a store answers is untrusted: sizes are bounded and a record must
+name a ``tcp://`` endpoint.  Names are ``[A-Za-z0-9._-]``, at most 200 bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from .errors import ConfigError, DiscoveryError, InvalidArgument, UnknownPeer
+
+__all__ = ["Store", "EtcdStore", "TcpStore", "open_store", "DEFAULT_TTL"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL = 10.0       # seconds a dead publisher stays resolvable at most
+_PREFIX = "/kvt/agents/"
+_MAX_RECORD = 4096       # bytes of one record we accept from a store
+_MAX_REPLY = 1 << 20     # bytes of one etcd gateway reply we read
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+_ENDPOINT = re.compile(r"tcp://[A-Za-z0-9._:\[\]-]{1,300}")
+
+
+def open_store(url: str | None) -> "Store":
+    """The store ``url`` names; ``ConfigError`` for none or an unknown scheme."""
+    if not url:
+        raise ConfigError("no discovery store configured: set KVT_DISCOVERY=etcd://host:port "
+                          "(or tcpstore://host:port), or connect by tcp:// endpoint")
+    parts = urlsplit(url)
+    if parts.scheme == "etcd":
+        return EtcdStore([f"http://{hp}" for hp in parts.netloc.split(",") if hp])
+    if parts.scheme == "tcpstore":
+        if not parts.hostname or not parts.port:
+            raise ConfigError(f"discovery URL {url!r} needs tcpstore://host:port")
+        return TcpStore(parts.hostname, parts.port, server=parse_qs(parts.query).get("server") == ["1"])
+    raise ConfigError(f"discovery URL {url!r}: unknown scheme {parts.scheme!r}; use etcd:// or tcpstore://")
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidArgument(f"discovery name {name!r} must be 1-200 characters of A-Z a-z 0-9 . _ -")
+    return name
+
+
+def _endpoint_of(raw: bytes, name: str, where: str) -> tuple[str, float | None]:
+    """(endpoint, expiry or None) from a stored record, checked."""
+    try:
+        if len(raw) > _MAX_RECORD:
+            raise ValueError(f"{len(raw)} bytes")
+        rec = json.loads(raw)
+        endpoint, expires = rec["endpoint"], rec.get("expires")
+        if not isinstance(endpoint, str) or not _ENDPOINT.fullmatch(endpoint):
+            raise ValueError(f"endpoint {endpoint!r}")
+        if expires is not None and not isinstance(expires, (int, float)):
+            raise ValueError(f"expiry {expires!r}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise DiscoveryError(f"{where} holds an unreadable record for {name!r} ({e}); "
+                             "is something else writing under /kvt/agents/?") from e
+    return endpoint, expires
+
+
+class Store:
+    """What an agent needs from a discovery store.  Thread-safe."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._published: dict[str, tuple[Any, str, float]] = {}  # name -> (the store's lease, endpoint, ttl)
+        self._lock = threading.Lock()
+        self._keeper: threading.Thread | None = None
+
+    def publish(self, name: str, endpoint: str, ttl: float | None = None) -> None:
+        """Make ``name`` resolve to ``endpoint`` while this process lives (plus
+        at most ``ttl`` seconds, default ``DEFAULT_TTL``)."""
+        _check_name(name)
+        ttl = DEFAULT_TTL if ttl is None else float(ttl)
+        if not ttl >= 1:
+            raise InvalidArgument(f"discovery ttl must be >= 1 second, got {ttl}")
+        with self._lock:
+            self._published[name] = (self._put(name, endpoint, ttl), endpoint, ttl)
+            if self._keeper is None:
+                self._keeper = threading.Thread(target=self._keep, name="kvt-discovery", daemon=True)
+                self._keeper.start()
+
+    def resolve(self, name: str, timeout: float = 5.0) -> str:
+        """The endpoint published under ``name``.  ``UnknownPeer`` if none
+        (never published, withdrawn, or its lease ran out); ``DiscoveryError``
+        if the store cannot be asked."""
+        _check_name(name)
+        endpoint = self._get(name, timeout)
+        if endpoint is None:
+            raise UnknownPeer(f"no agent is published as {name!r} in {self} (never started, stopped, "
+                              "or its lease expired)")
+        return endpoint
+
+    def withdraw(self, name: str) -> None:
+        """Stop publishing ``name`` (it stops resolving now)."""
+        with self._lock:
+            rec = self._published.pop(name, None)
+        if rec is not None:
+            self._drop(name, rec[0])
+
+    def close(self) -> None:
+        """Withdraw everything this store published; idempotent."""
+        self._stop.set()
+        for name in list(self._published):
+            try:
+                self.withdraw(name)
+            except DiscoveryError as e:  # the lease then runs out by itself
+                log.warning("could not withdraw %r: %s", name, e)
+
+    def _keep(self) -> None:
+        """Renew every lease three times per ttl (the shortest one)."""
+        while True:
+            with self._lock:
+                items = list(self._published.items())
+            if self._stop.wait(max(0.3, min((ttl for _, (_, _, ttl) in items), default=DEFAULT_TTL) / 3)):
+                return
+            for name, (lease, endpoint, ttl) in items:
+                try:
+                    fresh = self._renew(name, lease, endpoint, ttl)
+                except DiscoveryError as e:  # keep trying: the store may come back within the ttl
+                    log.warning("renewing %r in %s failed: %s", name, self, e)
+                    continue
+                with self._lock:
+                    if name in self._published:
+                        self._published[name] = (fresh, endpoint, ttl)
+
+    # -- what each store implements ---------------------------------------------------
+    def _put(self, name: str, endpoint: str, ttl: float) -> Any:
+        """Store the record under a lease of ``ttl`` seconds; returns the lease."""
+        raise NotImplementedError
+
+    def _get(self, name: str, timeout: float) -> str | None:
+        raise NotImplementedError
+
+    def _renew(self, name: str, lease: Any, endpoint: str, ttl: float) -> Any:
+        """Keep the lease alive (or store the record anew); returns the lease now in use."""
+        raise NotImplementedError
+
+    def _drop(self, name: str, lease: Any) -> None:
+        raise NotImplementedError
+
+
+class EtcdStore(Store):
+    """etcd v3 through its JSON gateway; one lease per published name."""
+
+    def __init__(self, urls: list[str], timeout: float = 5.0):
+        super().__init__()
+        if not urls:
+            raise ConfigError("etcd discovery needs at least one host:port")
+        self.urls, self.timeout = urls, timeout
+
+    def __str__(self) -> str:
+        return f"etcd at {','.join(self.urls)}"
+
+    def _call(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        data = json.dumps(body).encode()
+        last: Exception | None = None
+        for url in self.urls:  # any member of the cluster answers
+            req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
+                    raw = r.read(_MAX_REPLY + 1)
+                if len(raw) > _MAX_REPLY:
+                    raise DiscoveryError(f"{self} sent a reply over {_MAX_REPLY} bytes to {path}")
+                out = json.loads(raw)
+                if not isinstance(out, dict):
+                    raise ValueError("not an object")
+                return out
+            except urllib.error.HTTPError as e:
+                raise DiscoveryError(f"{self} refused {path}: HTTP {e.code} {e.read(500)!r}") from e
+            except (OSError, ValueError) as e:  # unreachable, timed out, not JSON: try the next member
+                last = e
+        raise DiscoveryError(f"{self} is unreachable ({path}: {last}); is etcd running there?") from last
+
+    @staticmethod
+    def _key(name: str) -> str:
+        return base64.b64encode((_PREFIX + name).encode()).decode()
+
+    def _put(self, name: str, endpoint: str, ttl: float) -> str:
+        lease = self._call("/v3/lease/grant", {"TTL": max(1, int(round(ttl)))}).get("ID")
+        if not isinstance(lease, str) or not lease.isdigit():
+            raise DiscoveryError(f"{self} granted no lease (got {lease!r})")
+        value = base64.b64encode(json.dumps({"endpoint": endpoint}).encode()).decode()
+        self._call("/v3/kv/put", {"key": self._key(name), "value": value, "lease": lease})
+        return lease
+
+    def _get(self, name: str, timeout: float) -> str | None:
+        kvs = self._call("/v3/kv/range", {"key": self._key(name)}, timeout).get("kvs") or []
+        try:
+            raw = base64.b64decode(kvs[0]["value"], validate=True) if kvs else None
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            raise DiscoveryError(f"{self} sent an unreadable range reply for {name!r}: {e}") from e
+        return None if raw is None else _endpoint_of(raw, name, str(self))[0]
+
+    def _renew(self, name: str, lease: str, endpoint: str, ttl: float) -> str:
+        result = self._call("/v3/lease/keepalive", {"ID": lease}).get("result")
+        try:
+            alive = int(result.get("TTL", 0)) > 0
+        except (AttributeError, TypeError, ValueError):
+            alive = False
+        # a lease that ran out meanwhile (etcd unreachable for a whole ttl): publish anew
+        return lease if alive else self._put(name, endpoint, ttl)
+
+    def _drop(self, name: str, lease: str) -> None:
+        self._call("/v3/lease/revoke", {"ID": lease})
+
+
+class TcpStore(Store):
+    """torch's c10d TCPStore; records carry their expiry (it has no leases)."""
+
+    def __init__(self, host: str, port: int, server: bool = False, timeout: float = 5.0):
+        super().__init__()
+        import datetime
+
+        try:
+            from torch.distributed import TCPStore as _TCPStore
+        except ImportError as e:
+            raise ConfigError("tcpstore:// discovery needs torch (pip install torch)") from e
+        self.where = f"TCPStore at {host}:{port}"
+        try:
+            self._s = _TCPStore(host, port, is_master=server, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=timeout))
+        except Exception as e:  # RuntimeError / DistStoreError from c10d
+            raise DiscoveryError(f"cannot reach {self.where}: {e}") from e
+
+    def __str__(self) -> str:
+        return self.where
+
+    def _write(self, name: str, endpoint: str, ttl: float) -> None:
+        rec = json.dumps({"endpoint": endpoint, "expires": time.time() + ttl})
+        try:
+            self._s.set(_PREFIX + name, rec)
+        except Exception as e:
+            raise DiscoveryError(f"{self.where}: publishing {name!r} failed: {e}") from e
+
+    def _put(self, name: str, endpoint: str, ttl: float) -> None:
+        self._write(name, endpoint, ttl)
+
+    def _get(self, name: str, timeout: float) -> str | None:
+        key = _PREFIX + name
+        try:
+            if not self._s.check([key]):
+                return None
+            raw = self._s.get(key)
+        except Exception as e:
+            raise DiscoveryError(f"{self.where}: resolving {name!r} failed: {e}") from e
+        endpoint, expires = _endpoint_of(raw, name, self.where)
+        return None if expires is None or expires < time.time() else endpoint
+
+    def _renew(self, name: str, lease: None, endpoint: str, ttl: float) -> None:
+        self._write(name, endpoint, ttl)
+
+    def _drop(self, name: str, lease: Any) -> None:
+        try:
+            self._s.delete_key(_PREFIX + name)
+        except Exception as e:
+            raise DiscoveryError(f"{self.where}: withdrawing {name!r} failed: {e}") from e
+
+    def close(self) -> None:
+        super().close()
+        del self._s  # the c10d client (or server) goes with its last reference
