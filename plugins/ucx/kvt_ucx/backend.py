@@ -25,6 +25,7 @@ prefix), ``notif_queue`` (notifications held at most, default 4096).
 from __future__ import annotations
 
 import os
+import select
 import sys
 import threading
 import time
@@ -33,7 +34,8 @@ from typing import Any, Mapping
 
 import numpy as np
 from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
-from kvt.errors import (ConfigError, InvalidArgument, PeerDisconnected, TransferError,
+from kvt.epoch import Epoch, EpochWatch
+from kvt.errors import (ConfigError, InvalidArgument, PeerDisconnected, RemoteRejected, TransferError,
                         TransferTimeout, WireError)
 from kvt.procs import host_id, start_time
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle,
@@ -61,6 +63,8 @@ class UcxMetadata(Message, tag="ucx_rma_md"):
     start: int              # start_time(pid): a reused pid is not taken for the peer
     rows: bytes             # (n, 3) uint64: address, length, device
     rkeys: list[bytes]
+    epoch_fd: int = -1      # its registration epoch (kvt.epoch), for same-host peers
+    epoch: int = 0
 
 
 @dataclass
@@ -70,6 +74,8 @@ class _Peer:
     ep: Any                 # _ucp.Endpoint
     keys: list              # _ucp.RemoteKey per row of ``regions``
     same_host: bool
+    epoch: EpochWatch | None = None  # same host: cma ignores remote keys, so we watch its deregistrations
+    pidfd: int = -1                  # same host: readable once it exited (our own dup of the C watch's)
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,7 @@ class UcxBackend(Backend):
         self._peers: dict[str, _Peer] = {}
         self._self: _Peer | None = None  # ourselves as a peer, for local transfers
         self._inbox = Inbox()
+        self._epoch = Epoch()  # bumped by deregister, watched by same-host peers
 
     # -- memory ---------------------------------------------------------------
 
@@ -193,6 +200,7 @@ class UcxBackend(Backend):
                 if m is not None:
                     m.unmap()
             self._self = None
+            self._epoch.bump()
 
     # -- peers ----------------------------------------------------------------
 
@@ -201,7 +209,8 @@ class UcxBackend(Backend):
             rows = self._regions.of(MemKind.DRAM).array
             rkeys = [k for mapped in self._mapped.values() for _, k in mapped]
         return UcxMetadata(name=self.agent_name, address=self._address, host=self._host, pid=self._pid,
-                           start=self._start, rows=np.ascontiguousarray(rows, np.uint64).tobytes(), rkeys=rkeys)
+                           start=self._start, rows=np.ascontiguousarray(rows, np.uint64).tobytes(), rkeys=rkeys,
+                           epoch_fd=self._epoch.fd, epoch=self._epoch.value)
 
     def local_metadata(self) -> bytes:
         self._check_open()
@@ -227,14 +236,19 @@ class UcxBackend(Backend):
             if pidfd >= 0:
                 os.close(pidfd)
             raise PeerDisconnected(f"cannot reach peer {md.name!r}: {e.args[0]}") from None
+        own = -1
         if pidfd >= 0:
+            own = os.dup(pidfd)
             ep.watch(pidfd)  # the progress thread fails the endpoint when the process exits
         try:
             keys = [ep.unpack(k) if k else None for k in md.rkeys]
         except self._ucp.Error as e:
             ep.close()
+            if own >= 0:
+                os.close(own)
             raise WireError(f"metadata of {md.name!r}: a remote key UCX cannot unpack: {e.args[0]}") from None
-        return _Peer(md, regions, ep, keys, same_host)
+        epoch = EpochWatch.open(md.pid, md.epoch_fd, md.epoch) if pidfd >= 0 else None
+        return _Peer(md, regions, ep, keys, same_host, epoch, own)
 
     def _pidfd(self, md: UcxMetadata) -> int:
         """A pidfd of a same-host peer, after checking the pid is that peer's."""
@@ -275,6 +289,9 @@ class UcxBackend(Backend):
             if k is not None:
                 k.destroy()
         p.ep.close()
+        if p.pidfd >= 0:
+            os.close(p.pidfd)
+            p.pidfd = -1
 
     def _peer(self, name: str | None) -> _Peer:
         if name is None:
@@ -321,6 +338,9 @@ class UcxBackend(Backend):
         peer = self._peer(rp.peer)
         if rp.peer is None and len(peer.keys) != len(self._regions.of(MemKind.DRAM)):
             raise InvalidArgument("registrations changed since this local prep; prep the descriptors again")
+        if peer.epoch is not None and peer.epoch.stale:
+            raise RemoteRejected(f"peer {rp.peer!r} deregistered memory since its metadata was loaded; "
+                                 "re-add its metadata (it may no longer offer these rows)")
         if lp.descs.kind is not rp.descs.kind:
             raise InvalidArgument(f"local {lp.descs.kind.value} and remote {rp.descs.kind.value} descriptors")
         try:
@@ -351,7 +371,13 @@ class UcxBackend(Backend):
             elif (err := x.peer.ep.error()) != 0:  # UCX's error handling, or the pid watch, failed the peer
                 self._end(x, XferState.err(native.error_of(err, f"{x.op.value} with {x.peer.md.name!r}")))
         elif st == 0:
-            x.state = XferState.DONE
+            # a cma copy from a process that exited before the pid watch noticed fails without
+            # failing the flush (no peer error mode on one host): a dead peer's DONE does not count
+            if x.peer.pidfd >= 0 and select.select([x.peer.pidfd], [], [], 0)[0]:
+                x.state = XferState.err(PeerDisconnected(
+                    f"peer {x.peer.md.name!r} (pid {x.peer.md.pid}) exited during {x.op.value}"))
+            else:
+                x.state = XferState.DONE
         else:
             x.state = XferState.err(native.error_of(st, f"{x.op.value} with {x.peer.md.name!r}"))
         return x.state
@@ -401,4 +427,5 @@ class UcxBackend(Backend):
         self._mapped.clear()
         self._regions.clear()
         self._worker.close()
+        self._epoch.close()
 
