@@ -177,8 +177,26 @@ def targets():
         feed.keep = (victim, peer, keep)
         return seed, feed
 
+    def ucx_add_remote():
+        from kvt_ucx.backend import UcxBackend
+        lo = {"ucx": {"NET_DEVICES": "lo"}, "timeout": 2}
+        victim, peer = UcxBackend("victim", lo), UcxBackend("peer", lo)
+        keep = np.zeros(1 << 16, np.uint8)
+        peer.register(keep)
+        seed = peer.local_metadata()
+
+        def feed(blob):
+            try:
+                name = victim.add_remote(blob)
+            except Exception as e:  # noqa: BLE001
+                _kvt_only(e)
+                return
+            victim.remove_remote(name)
+        feed.keep = (victim, peer, keep)
+        return seed, feed
+
     return {f.__name__: f for f in (wire_agent_info, wire_handshake, host_add_remote, host_server,
-                                    nixl_add_remote)}
+                                    nixl_add_remote, ucx_add_remote)}
 
 
 def _kvt_only(e: BaseException) -> None:

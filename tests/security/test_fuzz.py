@@ -20,17 +20,19 @@ SEED = int(os.environ.get("KVT_FUZZ_SEED", "1"))
 TIMEOUT = 120 + COUNT * 0.05  # seconds for the whole run of one target
 
 
-def _nixl_installed() -> bool:
+def _installed(plugin: str, native: str) -> bool:
     import importlib.util
-    return importlib.util.find_spec("kvt_nixl") is not None and importlib.util.find_spec("nixl") is not None
+    return importlib.util.find_spec(plugin) is not None and importlib.util.find_spec(native) is not None
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.parametrize("target", ["wire_agent_info", "wire_handshake", "host_add_remote", "host_server",
-                                    "nixl_add_remote"])
+                                    "nixl_add_remote", "ucx_add_remote"])
 def test_fuzz_target(target, tmp_path):
-    if target.startswith("nixl") and not _nixl_installed():
+    if target.startswith("nixl") and not _installed("kvt_nixl", "nixl"):
         pytest.skip("the nixl plugin is not installed")
+    if target.startswith("ucx") and not _installed("kvt_ucx", "libucx"):
+        pytest.skip("the ucx plugin is not installed")
     progress = tmp_path / "progress"
     env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:

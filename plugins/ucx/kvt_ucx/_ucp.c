@@ -531,6 +531,20 @@ static PyObject *Worker_mem_map(Worker *w, PyObject *args)
     return Py_BuildValue("NN", (PyObject *)m, packed);
 }
 
+/* UCX parses worker addresses and remote keys without being told their
+   length: give it a copy followed by zeros, so bytes a short, hostile one
+   makes it read past its end are always zeros (the same here as in the
+   sandbox process that tried them first, see sandbox.py), never our memory. */
+#define PAD 4096
+static void *padded(const char *buf, Py_ssize_t n)
+{
+    char *p = calloc(1, (size_t)n + PAD);
+    if (p == NULL)
+        return PyErr_NoMemory();
+    memcpy(p, buf, n);
+    return p;
+}
+
 static PyObject *Worker_connect(Worker *w, PyObject *args)
 {
     const char *addr;
@@ -538,17 +552,20 @@ static PyObject *Worker_connect(Worker *w, PyObject *args)
     int peer_mode;
     if (!PyArg_ParseTuple(args, "y#p", &addr, &n, &peer_mode) || check_open(w))
         return NULL;
-    /* UCX parses the address without being told its length: refuse anything
-       that is not one of its own packed addresses before handing it over */
+    void *copy = padded(addr, n);
+    if (copy == NULL)
+        return NULL;
     ep_state_t *s = calloc(1, sizeof(*s));
-    if (s == NULL)
+    if (s == NULL) {
+        free(copy);
         return PyErr_NoMemory();
+    }
     s->pidfd = -1;
     ucp_ep_params_t ep;
     memset(&ep, 0, sizeof(ep));
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = (const ucp_address_t *)addr;
+    ep.address = (const ucp_address_t *)copy;
     ep.err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     ep.err_handler.cb = ep_error_cb;
     ep.err_handler.arg = s;
@@ -556,6 +573,7 @@ static PyObject *Worker_connect(Worker *w, PyObject *args)
     lock(w);
     ucs_status_t st = ucp_ep_create(w->worker, &ep, &h);
     unlock(w);
+    free(copy);
     if (st != UCS_OK) {
         free(s);
         return raise_status(st, "connecting to the peer's worker");
@@ -970,10 +988,14 @@ static PyObject *Endpoint_unpack(Endpoint *e, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "endpoint is closed");
         return NULL;
     }
+    void *copy = padded(buf, n);
+    if (copy == NULL)
+        return NULL;
     ucp_rkey_h rk;
     lock(e->w);
-    ucs_status_t st = ucp_ep_rkey_unpack(e->ep, buf, &rk);
+    ucs_status_t st = ucp_ep_rkey_unpack(e->ep, copy, &rk);
     unlock(e->w);
+    free(copy);
     if (st != UCS_OK)
         return raise_status(st, "unpacking a remote key");
     RemoteKey *k = PyObject_New(RemoteKey, &RemoteKeyType);

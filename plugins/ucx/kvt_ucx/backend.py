@@ -42,7 +42,7 @@ from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandl
                        XferState)
 from kvt.wire import Message, decode, encode
 
-from . import native
+from . import native, vet
 
 __all__ = ["UcxBackend", "UcxMetadata"]
 
@@ -151,7 +151,7 @@ class UcxBackend(Backend):
         if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
             raise ConfigError(f"ucx backend option 'notif_queue' must be a positive integer, got {queue!r}")
         config = _ucx_config(o)
-        self._ucp = native.load()
+        self._ucp, self._config = native.load(), config
         try:
             self._worker = self._ucp.Worker(agent_name.encode(), config, _MAX_NOTIF, queue, 64 * _MAX_NOTIF)
             self._address = self._worker.address()
@@ -216,7 +216,7 @@ class UcxBackend(Backend):
         self._check_open()
         return encode(self._metadata())
 
-    def _connect(self, md: UcxMetadata, watch: bool = True) -> _Peer:
+    def _connect(self, md: UcxMetadata, ours: bool = False) -> _Peer:
         if not md.address or len(md.address) > _MAX_ADDRESS or any(len(k) > _MAX_RKEY for k in md.rkeys):
             raise WireError(f"metadata of {md.name!r}: worker address or remote keys of impossible size")
         raw = md.rows
@@ -227,9 +227,11 @@ class UcxBackend(Backend):
         except Exception as e:
             raise WireError(f"metadata of {md.name!r}: bad region rows: {e}") from None
         same_host = md.host == self._host
-        # an agent in this same process cannot die on its own: nothing to watch
-        pidfd = self._pidfd(md) if same_host and watch and md.pid != self._pid else -1
         peer_mode = self._mode == "peer" or (self._mode == "auto" and not same_host)
+        if not ours:
+            vet.vet(self._config, self._address, md.address, md.rkeys, peer_mode, md.name)
+        # an agent in this same process cannot die on its own: nothing to watch
+        pidfd = self._pidfd(md) if same_host and not ours and md.pid != self._pid else -1
         try:
             ep = self._worker.connect(md.address, peer_mode)
         except self._ucp.Error as e:
@@ -297,7 +299,7 @@ class UcxBackend(Backend):
         if name is None:
             with self._lock:
                 if self._self is None:
-                    self._self = self._connect(self._metadata(), watch=False)
+                    self._self = self._connect(self._metadata(), ours=True)
                 return self._self
         p = self._peers.get(name)
         if p is None:
