@@ -122,13 +122,12 @@ def targets():
                     _kvt_only(e)
         return seeds[1], feed
 
-    def host_add_remote():
-        from kvt_host.backend import HostBackend
-        victim = HostBackend("victim", {"timeout": 2})
-        twin = HostBackend("twin", {"timeout": 2})
-        keep = memory.empty(1 << 16)
-        twin.register(keep)
-        seed = twin.local_metadata()
+    def add_remote_of(make, options, keep=None):
+        """``add_remote`` of a fresh victim, seeded with a real peer's metadata."""
+        victim, peer = make("victim", options), make("peer", options)
+        buf = keep if keep is not None else np.zeros(1 << 16, np.uint8)
+        peer.register(buf)
+        seed = peer.local_metadata()
 
         def feed(blob):
             try:
@@ -137,8 +136,12 @@ def targets():
                 _kvt_only(e)
                 return
             victim.remove_remote(name)
-        feed.keep = (victim, twin, keep)
+        feed.keep = (victim, peer, buf)
         return seed, feed
+
+    def host_add_remote():
+        from kvt_host.backend import HostBackend
+        return add_remote_of(HostBackend, {"timeout": 2}, memory.empty(1 << 16))
 
     def host_server():
         import zmq
@@ -161,39 +164,11 @@ def targets():
 
     def nixl_add_remote():
         from kvt_nixl.backend import NixlBackend
-        victim = NixlBackend("victim", {})
-        peer = NixlBackend("peer", {})
-        keep = np.zeros(1 << 16, np.uint8)
-        peer.register(keep)
-        seed = peer.local_metadata()
-
-        def feed(blob):
-            try:
-                name = victim.add_remote(blob)
-            except Exception as e:  # noqa: BLE001
-                _kvt_only(e)
-                return
-            victim.remove_remote(name)
-        feed.keep = (victim, peer, keep)
-        return seed, feed
+        return add_remote_of(NixlBackend, {})
 
     def ucx_add_remote():
         from kvt_ucx.backend import UcxBackend
-        lo = {"ucx": {"NET_DEVICES": "lo"}, "timeout": 2}
-        victim, peer = UcxBackend("victim", lo), UcxBackend("peer", lo)
-        keep = np.zeros(1 << 16, np.uint8)
-        peer.register(keep)
-        seed = peer.local_metadata()
-
-        def feed(blob):
-            try:
-                name = victim.add_remote(blob)
-            except Exception as e:  # noqa: BLE001
-                _kvt_only(e)
-                return
-            victim.remove_remote(name)
-        feed.keep = (victim, peer, keep)
-        return seed, feed
+        return add_remote_of(UcxBackend, {"ucx": {"NET_DEVICES": "lo"}, "timeout": 2})
 
     return {f.__name__: f for f in (wire_agent_info, wire_handshake, host_add_remote, host_server,
                                     nixl_add_remote, ucx_add_remote)}
