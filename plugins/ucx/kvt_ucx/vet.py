@@ -66,11 +66,13 @@ def vet(config: dict[str, str], ours: bytes, address: bytes, rkeys: list[bytes],
 
 
 def _host_key(k: bytes) -> bool:
-    if len(k) < 10:
+    if len(k) < 9:
         return False
     (md_map,), mem_type, i = struct.unpack_from("<Q", k), k[8], 9
-    if mem_type != _HOST or md_map == 0:
+    if mem_type != _HOST:
         return False
+    if md_map == 0:  # no memory domain can reach it (e.g. tcp only): UCX packs nothing more
+        return len(k) == 9
     for _ in range(md_map.bit_count()):
         if i >= len(k):
             return False
