@@ -26,8 +26,9 @@ import numpy as np
 
 from . import registry
 from .config import Config, load_config
-from .errors import (ClosedError, HandshakeError, IncompatiblePeer, IntegrityError, InvalidArgument, KvtError,
-                     KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, UnsupportedOperation,
+from .auth import Secret
+from .errors import (AuthenticationError, ClosedError, HandshakeError, IncompatiblePeer, IntegrityError,
+                     InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, UnsupportedOperation,
                      WireError)
 from . import integrity
 from .handshake import HandshakeServer, request
@@ -37,18 +38,29 @@ from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, deco
 __all__ = ["Agent", "Transfer", "Telemetry", "poll_until", "fetch_info"]
 
 
-def fetch_info(endpoint: str, sender: str, timeout: float) -> AgentInfo:
+def fetch_info(endpoint: str, sender: str, timeout: float, secret: Secret | None = None) -> AgentInfo:
     """A peer's ``AgentInfo`` through its handshake side channel.  Touches no
     backend, so it is safe on a background thread.  ``HandshakeTimeout`` if
     the peer never answers, ``HandshakeError`` if it refuses or sends
-    something unreadable."""
-    reply = decode(request(endpoint, encode(HandshakeRequest(sender=sender)), timeout), HandshakeReply)
+    something unreadable, ``AuthenticationError`` if ``secret`` (our
+    ``auth_key``) and the peer's differ or one side has none."""
+    reply = decode(request(endpoint, encode(HandshakeRequest(sender=sender)), timeout, secret), HandshakeReply)
     if reply.error:
-        raise HandshakeError(f"peer at {endpoint} refused the handshake: {reply.error}")
+        cls = AuthenticationError if reply.error.startswith(_AUTH_REFUSAL) else HandshakeError
+        raise cls(f"peer at {endpoint} refused the handshake: {reply.error}")
     try:
         return decode(reply.payload, AgentInfo)
     except WireError as e:
         raise HandshakeError(f"peer at {endpoint} sent unreadable metadata: {e}") from e
+
+
+_AUTH_REFUSAL = "AuthenticationError:"
+
+
+def _refusal(e: Exception) -> bytes:
+    """What the handshake answers a message it cannot serve: a typed refusal, nothing more."""
+    return encode(HandshakeReply(error=f"{_AUTH_REFUSAL} {e}" if isinstance(e, AuthenticationError)
+                                 else "malformed request"))
 
 
 def poll_until(check, timeout: float, what: str):
@@ -184,7 +196,12 @@ class Agent:
         self.config = config or load_config(backend=backend, options=options)
         self.name = name or self.config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.backend_name = self.config.backend
-        self.backend = registry.create_backend(self.backend_name, self.name, self.config.options)
+        #: the shared ``auth_key`` every peer must prove (kvt.auth), or None
+        self.secret = None if self.config.auth_key is None else Secret(self.config.auth_key)
+        options = self.config.options
+        if self.secret is not None and registry.load_backend(self.backend_name).uses_auth_key:
+            options = {**options, "auth_key": self.secret}
+        self.backend = registry.create_backend(self.backend_name, self.name, options)
         self.extra: dict[str, Any] = {}  #: published in AgentInfo (the connector's compatibility fields)
         self._layouts: dict[str, BlockLayout] = {}
         self._layout_regs: dict[str, RegHandle] = {}
@@ -254,7 +271,7 @@ class Agent:
         if self._server is None:
             self._server = HandshakeServer(self._answer, host or self.config.listen_host,
                                            self.config.listen_port if port is None else port,
-                                           refuse=lambda e: encode(HandshakeReply(error="malformed request"))).start()
+                                           refuse=_refusal, secret=self.secret).start()
         return self._server.endpoint
 
     @property
@@ -288,7 +305,7 @@ class Agent:
             endpoint = route if "://" in route else self.discovery.resolve(route)
             reply = decode(request(endpoint, encode(integrity.DigestRequest(
                 layout=rlayout, block_ids=np.asarray(remote_ids, np.int64).tobytes())),
-                self.config.handshake_timeout), HandshakeReply)
+                self.config.handshake_timeout, self.secret), HandshakeReply)
             if reply.error:
                 raise HandshakeError(reply.error)
         except KvtError as e:  # unverified counts as failed: integrity checks fail closed
@@ -315,7 +332,7 @@ class Agent:
         t = self.config.handshake_timeout if timeout is None else timeout
         if "://" not in route:
             route = self.discovery.resolve(route, timeout=t)
-        return fetch_info(route, self.name, t)
+        return fetch_info(route, self.name, t, self.secret)
 
     def reconnect(self, peer: str, timeout: float | None = None) -> bool:
         """Fetch ``peer``'s metadata again the way ``connect`` first reached it
