@@ -47,7 +47,7 @@ class Reply(Message, tag="host_rep"):
 
     id: int
     error: str = ""               # empty = success
-    code: str = ""                # "out_of_region" | "bad_request"
+    code: str = ""                # "out_of_region" | "bad_request" | "unauthenticated" | ...
 
 
 def rows_of(data: bytes) -> np.ndarray:
