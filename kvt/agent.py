@@ -13,6 +13,7 @@ Block ids become descriptor indices with one numpy broadcast; each
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -26,8 +27,9 @@ import numpy as np
 
 from . import registry
 from .config import Config, load_config
-from .errors import (ClosedError, HandshakeError, IncompatiblePeer, IntegrityError, InvalidArgument, KvtError,
-                     KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, UnsupportedOperation,
+from .auth import NotifSeal, Secret
+from .errors import (AuthenticationError, ClosedError, HandshakeError, IncompatiblePeer, IntegrityError,
+                     InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, UnsupportedOperation,
                      WireError)
 from . import integrity
 from .handshake import HandshakeServer, request
@@ -36,19 +38,33 @@ from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, deco
 
 __all__ = ["Agent", "Transfer", "Telemetry", "poll_until", "fetch_info"]
 
+log = logging.getLogger(__name__)
 
-def fetch_info(endpoint: str, sender: str, timeout: float) -> AgentInfo:
+
+def fetch_info(endpoint: str, sender: str, timeout: float, secret: Secret | None = None) -> AgentInfo:
     """A peer's ``AgentInfo`` through its handshake side channel.  Touches no
     backend, so it is safe on a background thread.  ``HandshakeTimeout`` if
     the peer never answers, ``HandshakeError`` if it refuses or sends
-    something unreadable."""
-    reply = decode(request(endpoint, encode(HandshakeRequest(sender=sender)), timeout), HandshakeReply)
+    something unreadable, ``AuthenticationError`` if ``secret`` (our
+    ``auth_key``) and the peer's differ or one side has none."""
+    reply = decode(request(endpoint, encode(HandshakeRequest(sender=sender)), timeout, secret), HandshakeReply)
     if reply.error:
-        raise HandshakeError(f"peer at {endpoint} refused the handshake: {reply.error}")
+        cls = AuthenticationError if reply.error.startswith(_AUTH_REFUSAL) else HandshakeError
+        raise cls(f"peer at {endpoint} refused the handshake: {reply.error}")
     try:
         return decode(reply.payload, AgentInfo)
     except WireError as e:
         raise HandshakeError(f"peer at {endpoint} sent unreadable metadata: {e}") from e
+
+
+_AUTH_REFUSAL = "AuthenticationError:"
+_NOTIF_KEY = "kvt_auth"  # AgentInfo.extra: the incarnation nonce notifications to us are bound to
+
+
+def _refusal(e: Exception) -> bytes:
+    """What the handshake answers a message it cannot serve: a typed refusal, nothing more."""
+    return encode(HandshakeReply(error=f"{_AUTH_REFUSAL} {e}" if isinstance(e, AuthenticationError)
+                                 else "malformed request"))
 
 
 def poll_until(check, timeout: float, what: str):
@@ -184,7 +200,17 @@ class Agent:
         self.config = config or load_config(backend=backend, options=options)
         self.name = name or self.config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.backend_name = self.config.backend
-        self.backend = registry.create_backend(self.backend_name, self.name, self.config.options)
+        #: the shared ``auth_key`` every peer must prove (kvt.auth), or None
+        self.secret = None if self.config.auth_key is None else Secret(self.config.auth_key)
+        options = self.config.options
+        #: seals notifications on backends whose channels kvt does not own (nixl, ucx)
+        self._notif_seal: NotifSeal | None = None
+        if self.secret is not None:
+            if registry.load_backend(self.backend_name).uses_auth_key:
+                options = {**options, "auth_key": self.secret}
+            else:
+                self._notif_seal = NotifSeal(self.secret, self.name)
+        self.backend = registry.create_backend(self.backend_name, self.name, options)
         self.extra: dict[str, Any] = {}  #: published in AgentInfo (the connector's compatibility fields)
         self._layouts: dict[str, BlockLayout] = {}
         self._layout_regs: dict[str, RegHandle] = {}
@@ -245,8 +271,11 @@ class Agent:
     def info(self) -> AgentInfo:
         """What a peer needs to reach us (sent by the handshake)."""
         self._check_open()
+        extra = dict(self.extra)
+        if self._notif_seal is not None:  # senders bind their notifications to this incarnation of us
+            extra[_NOTIF_KEY] = self._notif_seal.incarnation.hex()
         return AgentInfo(name=self.name, backend=self.backend_name, metadata=self.backend.local_metadata(),
-                         layouts=dict(self._layouts), extra=dict(self.extra))
+                         layouts=dict(self._layouts), extra=extra)
 
     def listen(self, host: str | None = None, port: int | None = None) -> str:
         """Serve our ``AgentInfo`` on the handshake side channel; returns its endpoint."""
@@ -254,7 +283,7 @@ class Agent:
         if self._server is None:
             self._server = HandshakeServer(self._answer, host or self.config.listen_host,
                                            self.config.listen_port if port is None else port,
-                                           refuse=lambda e: encode(HandshakeReply(error="malformed request"))).start()
+                                           refuse=_refusal, secret=self.secret).start()
         return self._server.endpoint
 
     @property
@@ -288,7 +317,7 @@ class Agent:
             endpoint = route if "://" in route else self.discovery.resolve(route)
             reply = decode(request(endpoint, encode(integrity.DigestRequest(
                 layout=rlayout, block_ids=np.asarray(remote_ids, np.int64).tobytes())),
-                self.config.handshake_timeout), HandshakeReply)
+                self.config.handshake_timeout, self.secret), HandshakeReply)
             if reply.error:
                 raise HandshakeError(reply.error)
         except KvtError as e:  # unverified counts as failed: integrity checks fail closed
@@ -315,7 +344,7 @@ class Agent:
         t = self.config.handshake_timeout if timeout is None else timeout
         if "://" not in route:
             route = self.discovery.resolve(route, timeout=t)
-        return fetch_info(route, self.name, t)
+        return fetch_info(route, self.name, t, self.secret)
 
     def reconnect(self, peer: str, timeout: float | None = None) -> bool:
         """Fetch ``peer``'s metadata again the way ``connect`` first reached it
@@ -427,6 +456,8 @@ class Agent:
         else:
             lidx, ridx = self._index(route.lregions, local_ids, route.lprep), self._index(route.rregions, remote_ids, route.rprep)
             n = lidx.size
+        if notif is not None and self._notif_seal is not None:
+            notif = self._seal(peer, notif)
         handle = self.backend.transfer(op, route.lprep, lidx, route.rprep, ridx, notif)
         t = Transfer(self, handle, n * route.block_len, n, t0, peer)
         if self.config.integrity:
@@ -484,13 +515,38 @@ class Agent:
     # -- notifications --------------------------------------------------------
 
     def notify(self, peer: str, msg: bytes) -> None:
-        self.backend.notify(peer, msg)
+        self.backend.notify(peer, msg if self._notif_seal is None else self._seal(peer, msg))
+
+    def _seal(self, peer: str, msg: bytes) -> bytes:
+        info = self._peers.get(peer)
+        theirs = info.extra.get(_NOTIF_KEY) if info is not None else None
+        try:
+            incarnation = bytes.fromhex(theirs) if isinstance(theirs, str) else b""
+        except ValueError:
+            incarnation = b""
+        return self._notif_seal.seal(peer, incarnation, msg)
+
+    def _received(self) -> dict[str, list[bytes]]:
+        """The backend's new notifications; with a notification seal, only the
+        authentic ones (forged, altered or replayed ones are dropped)."""
+        got = self.backend.get_notifs()
+        if self._notif_seal is None:
+            return got
+        out = {}
+        for sender, msgs in got.items():
+            opened = [m for m in (self._notif_seal.open(sender, bytes(x)) for x in msgs) if m is not None]
+            if len(opened) != len(msgs):
+                log.debug("dropped %d unauthenticated notification(s) claiming to be from %r",
+                          len(msgs) - len(opened), sender[:64])
+            if opened:
+                out[sender] = opened
+        return out
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Everything received since the last call, by sender."""
         with self._lock:
             out, self._pending = self._pending, {}
-            for sender, msgs in self.backend.get_notifs().items():
+            for sender, msgs in self._received().items():
                 out.setdefault(sender, []).extend(msgs)
         return out
 
@@ -501,7 +557,7 @@ class Agent:
 
         def take():
             with self._lock:
-                for sender, msgs in self.backend.get_notifs().items():
+                for sender, msgs in self._received().items():
                     self._pending.setdefault(sender, []).extend(msgs)
                 for sender, msgs in self._pending.items():
                     if peer not in (None, sender):

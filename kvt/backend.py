@@ -55,6 +55,9 @@ class Backend(abc.ABC):
 
     #: what this backend can do; declared as data, never implied by its name
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: True for a backend with its own kvt sockets: the Agent then passes the configured
+    #: ``auth_key`` as option ``auth_key`` (a ``kvt.auth.Secret``) so it can authenticate them
+    uses_auth_key: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         if not agent_name:

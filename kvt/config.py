@@ -24,6 +24,7 @@ from typing import Annotated, Any, Mapping
 
 import msgspec
 
+from .auth import MIN_KEY_CHARS
 from .errors import ConfigError
 
 try:
@@ -31,12 +32,16 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["Config", "load_config", "ENV_BACKEND", "ENV_CONFIG", "ENV_DISCOVERY", "ENV_INTEGRITY"]
+__all__ = ["Config", "load_config", "ENV_BACKEND", "ENV_CONFIG", "ENV_DISCOVERY", "ENV_INTEGRITY",
+           "ENV_AUTH_KEY", "ENV_AUTH_KEY_FILE"]
 
 ENV_BACKEND = "KVT_BACKEND"
 ENV_CONFIG = "KVT_CONFIG"
 ENV_DISCOVERY = "KVT_DISCOVERY"
 ENV_INTEGRITY = "KVT_INTEGRITY"
+ENV_AUTH_KEY = "KVT_AUTH_KEY"
+ENV_AUTH_KEY_FILE = "KVT_AUTH_KEY_FILE"
+_SECRET_FIELDS = ("auth_key",)  # never shown: not in repr, not in error messages
 
 _Seconds = Annotated[float, msgspec.Meta(gt=0)]
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
@@ -64,12 +69,41 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     discovery: _Text | None = None
     #: verify every waited block transfer end to end with checksums (kvt/integrity.py)
     integrity: bool = False
+    #: shared secret every peer must prove (kvt/auth.py); ``None``: any peer that can connect is served
+    auth_key: _Text | None = None
+    #: a file holding ``auth_key`` (read at load time, surrounding whitespace stripped)
+    auth_key_file: _Text | None = None
 
     def __post_init__(self) -> None:
+        if self.auth_key_file is not None:
+            if self.auth_key is not None:
+                raise ValueError("set auth_key or auth_key_file, not both")
+            self.auth_key = _read_key(self.auth_key_file)
+        if self.auth_key is not None and len(self.auth_key) < MIN_KEY_CHARS:
+            raise ValueError(f"auth_key must be at least {MIN_KEY_CHARS} characters; generate one with "
+                             "python -c 'import secrets; print(secrets.token_hex(32))'")
+        if "auth_key" in self.options:
+            raise ValueError("auth_key is a configuration field, not a backend option: set auth_key in "
+                             f"the config file or {ENV_AUTH_KEY}")
         timeout = self.options.get("timeout", self.transfer_timeout)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"options.timeout must be a positive number of seconds, got {timeout!r}")
         self.options = {**self.options, "timeout": timeout}
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f}={'***' if f in _SECRET_FIELDS and getattr(self, f) is not None else repr(getattr(self, f))}"
+                          for f in self.__struct_fields__)
+        return f"Config({shown})"
+
+    __rich_repr__ = None
+
+
+def _read_key(path: str) -> str:
+    try:
+        with open(Path(path).expanduser(), encoding="utf-8") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read auth_key_file {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
 _FIELDS = Config.__struct_fields__
@@ -114,7 +148,9 @@ def _check(field: str, value: Any, source: str) -> None:
         msgspec.convert({field: value}, Config)
     except msgspec.ValidationError as e:
         why = str(e).split(" - at `$", 1)[0]
-        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        if isinstance(value, dict) and _SECRET_FIELDS[0] in value:  # a key misplaced among backend options
+            value = {**value, _SECRET_FIELDS[0]: "***"}
+        shown = "***" if field in _SECRET_FIELDS else repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise ConfigError(f"invalid {field} = {shown} from {source}: {why}") from e
 
 
@@ -155,6 +191,11 @@ def load_config(backend: str | None = None, options: Mapping[str, Any] | None = 
     if env.get(ENV_INTEGRITY):
         values["integrity"] = env[ENV_INTEGRITY].strip().lower() in ("1", "true", "yes", "on")
         sources["integrity"] = f"environment variable {ENV_INTEGRITY}"
+    if env.get(ENV_AUTH_KEY) or env.get(ENV_AUTH_KEY_FILE):  # the environment replaces the file's key
+        values.pop("auth_key", None), values.pop("auth_key_file", None)
+        for var, field in ((ENV_AUTH_KEY, "auth_key"), (ENV_AUTH_KEY_FILE, "auth_key_file")):
+            if env.get(var):
+                values[field], sources[field] = env[var], f"environment variable {var}"
     if env.get(ENV_DISCOVERY):
         values["discovery"], sources["discovery"] = env[ENV_DISCOVERY], f"environment variable {ENV_DISCOVERY}"
 

@@ -16,7 +16,8 @@
     │   └── VersionMismatch                        well-formed, but a wire version we do not speak
     ├── HandshakeError            (ConnectionError)
     │   ├── HandshakeTimeout      (TimeoutError)   the peer never answered
-    │   └── IncompatiblePeer                       the peer answered, but cannot be paired with us
+    │   ├── IncompatiblePeer                       the peer answered, but cannot be paired with us
+    │   └── AuthenticationError                    auth_key missing or different on one side (kvt.auth)
     ├── TransferError             (RuntimeError)   the cause carried by ``XferState.ERR``
     │   ├── PeerDisconnected      (ConnectionError) the peer died or went away mid-transfer
     │   ├── TransferTimeout       (TimeoutError)   no completion within the configured timeout
@@ -39,7 +40,7 @@ __all__ = [
     "KvtError", "ConfigError", "BackendNotFound", "BackendLoadError",
     "BackendUnavailable", "UnsupportedOperation", "InvalidArgument",
     "InvalidDescriptor", "UnknownPeer", "InvalidHandle", "WireError",
-    "VersionMismatch", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer",
+    "VersionMismatch", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer", "AuthenticationError",
     "TransferError", "PeerDisconnected", "TransferTimeout", "RemoteRejected",
     "KvtTimeoutError", "ClosedError", "IntegrityError", "DiscoveryError",
 ]
@@ -104,6 +105,12 @@ class HandshakeTimeout(HandshakeError, TimeoutError):
 
 class IncompatiblePeer(HandshakeError):
     """The peer answered but cannot be paired (model shape, dtype, layout...)."""
+
+
+class AuthenticationError(HandshakeError):
+    """A peer did not prove it holds our ``auth_key`` (or we do not hold its
+    own): set the same ``auth_key`` on both sides.  A transfer refused for this
+    reason ends ``ERR`` with ``RemoteRejected`` naming it."""
 
 
 class TransferError(KvtError, RuntimeError):

@@ -6,6 +6,9 @@ each request with ``provider(request_bytes)``; ``request`` is the client side
 (a REQ socket used once, with send/receive timeouts).  The server binds to
 127.0.0.1 unless told otherwise: metadata carries raw addresses, so exposing
 it beyond the host is a decision the operator makes in configuration.
+
+With a ``secret`` (configuration ``auth_key``) both ends speak kvt.auth's
+challenge-response and seal every message; without one nothing changes.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from typing import Callable
 
 import zmq
 
-from .errors import HandshakeError, HandshakeTimeout, InvalidArgument, KvtError
+from .auth import ClientSession, Secret, ServerAuth
+from .errors import AuthenticationError, HandshakeError, HandshakeTimeout, InvalidArgument, KvtError
 
-__all__ = ["RouterServer", "HandshakeServer", "request"]
+__all__ = ["RouterServer", "HandshakeServer", "request", "open_session"]
 
 log = logging.getLogger(__name__)
 _POLL_MS = 100  # how often the server thread checks for close()
@@ -40,12 +44,17 @@ class RouterServer:
     Bound to ``host`` (port 0 = any free port); ``endpoint`` says where.
     ZMQ's ROUTER queues each peer's messages apart and takes them in turn,
     so with bounded work per message no peer starves another.
+    With ``secret`` every message must be authenticated (kvt.auth; ``covered``:
+    how many leading frames the tags hash, None = all); ``handle`` and
+    ``refuse`` see the same frames as without.
     """
 
     def __init__(self, handle: Callable[[list], list | None], host: str = "127.0.0.1", port: int = 0,
                  *, name: str = "kvt-router", copy: bool = True, max_msg_bytes: int = MAX_HANDSHAKE_BYTES,
-                 refuse: Callable[[list, Exception], list | None] | None = None):
+                 refuse: Callable[[list, Exception], list | None] | None = None,
+                 secret: Secret | None = None, covered: int | None = None):
         self._handle, self._copy, self._refuse = handle, copy, refuse
+        self._auth = None if secret is None else ServerAuth(secret, covered)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
@@ -77,7 +86,14 @@ class RouterServer:
                 if not sock.poll(_POLL_MS):
                     continue
                 ident, *frames = sock.recv_multipart(copy=self._copy)
-                reply = self._answer(frames)
+                if self._auth is None:
+                    reply = self._answer(frames)
+                else:
+                    try:
+                        reply = self._auth.serve(frames, self._answer, self._refuse_quietly)
+                    except Exception as e:  # noqa: BLE001 - a backstop: nothing a peer sends stops the thread
+                        log.warning("%s: dropped a message: %s", self._thread.name, type(e).__name__)
+                        reply = None
                 if reply is not None:
                     try:
                         sock.send_multipart([ident, *reply], copy=self._copy)
@@ -104,6 +120,14 @@ class RouterServer:
                 log.exception("%s: cannot even refuse", self._thread.name)
                 return None
 
+    def _refuse_quietly(self, frames: list, e: Exception) -> list | None:
+        """The typed refusal of an unauthenticated message (routine from a hostile peer: debug log)."""
+        log.debug("%s: refused an unauthenticated message: %s", self._thread.name, e)
+        try:
+            return self._refuse(frames, e) if self._refuse is not None else None
+        except Exception:  # noqa: BLE001
+            return None
+
     def close(self) -> None:
         """Stop serving (idempotent); returns once the socket is closed."""
         self._stop.set()
@@ -125,19 +149,22 @@ class HandshakeServer(RouterServer):
     bytes) and the server goes on."""
 
     def __init__(self, provider: Callable[[bytes], bytes], host: str = "127.0.0.1", port: int = 0,
-                 refuse: Callable[[Exception], bytes] = lambda e: b""):
+                 refuse: Callable[[Exception], bytes] = lambda e: b"", secret: Secret | None = None):
         def answer(frames: list) -> list:  # a REQ client sends [b"", body]
             if len(frames) != 2 or frames[0]:
                 raise ValueError(f"expected a REQ envelope of 2 frames, got {len(frames)}")
             return [b"", provider(frames[1])]
 
         super().__init__(answer, host, port, name="kvt-handshake",
-                         refuse=lambda frames, e: [b"", refuse(e)])
+                         refuse=lambda frames, e: [b"", refuse(e)], secret=secret)
 
 
-def request(endpoint: str, payload: bytes, timeout: float) -> bytes:
+def request(endpoint: str, payload: bytes, timeout: float, secret: Secret | None = None) -> bytes:
     """Send ``payload`` to a ``HandshakeServer`` and return its reply.
 
+    With ``secret``, first the challenge-response of kvt.auth (both sides
+    prove the key), then ``payload`` sealed; ``AuthenticationError`` if the
+    server cannot prove the key, refuses ours, or its reply fails its tag.
     Raises ``HandshakeTimeout`` if no reply arrives within ``timeout`` seconds
     (including a peer that is not there at all), ``HandshakeError`` for a bad
     endpoint or transport failure.
@@ -152,8 +179,17 @@ def request(endpoint: str, payload: bytes, timeout: float) -> bytes:
     sock.setsockopt(zmq.RCVTIMEO, ms)
     try:
         sock.connect(endpoint)
-        sock.send(payload)
-        return sock.recv()
+        if secret is None:
+            sock.send(payload)
+            return sock.recv()
+        session = ClientSession(secret)
+        sock.send(session.hello())
+        session.accept(sock.recv_multipart(), f"peer at {endpoint}")
+        sock.send_multipart([payload, session.seal([payload])])
+        reply = session.open(sock.recv_multipart(), f"peer at {endpoint}")
+        if reply is None or len(reply) != 1:
+            raise AuthenticationError(f"peer at {endpoint} answered another message than ours")
+        return reply[0]
     except zmq.Again as e:
         raise HandshakeTimeout(f"no handshake reply from {endpoint} within {timeout:g}s; is the peer "
                                "running and listening there?") from e
@@ -161,3 +197,16 @@ def request(endpoint: str, payload: bytes, timeout: float) -> bytes:
         raise HandshakeError(f"handshake with {endpoint} failed: {e}") from e
     finally:
         sock.close()
+
+
+def open_session(sock: zmq.Socket, secret: Secret, timeout: float, who: str, covered: int | None = None) -> ClientSession:
+    """Run kvt.auth's challenge-response on a freshly connected DEALER
+    ``sock``; its later messages go through the returned session.
+    ``AuthenticationError`` if the server cannot prove the key (or has none),
+    ``HandshakeTimeout`` if it does not answer within ``timeout`` seconds."""
+    session = ClientSession(secret, covered)
+    sock.send(session.hello())
+    if not sock.poll(max(1, int(timeout * 1000))):
+        raise HandshakeTimeout(f"{who} did not answer the authentication challenge within {timeout:g}s")
+    session.accept(sock.recv_multipart(), who)
+    return session

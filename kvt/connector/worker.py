@@ -316,7 +316,8 @@ class ConnectorWorker:
         for rank in remote_ranks(self.rank, self.config.tp_size, src.tp_size):
             if rank >= len(src.endpoints):
                 raise IncompatiblePeer(f"no endpoint for prefill rank {rank} of engine {src.engine_id!r}")
-            info = fetch_info(src.endpoints[rank], self.agent.name, self.config.handshake_timeout)
+            info = fetch_info(src.endpoints[rank], self.agent.name, self.config.handshake_timeout,
+                              self.agent.secret)
             check_peer(self._card, WorkerCard.from_info(info), engine_id=src.engine_id, rank=rank,
                        tp_size=src.tp_size)
             out.append((rank, info))

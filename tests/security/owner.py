@@ -17,7 +17,10 @@ def _fill(region: np.ndarray) -> None:
     region[:] = (np.arange(region.size) * 7 % 251).astype(np.uint8)
 
 
-def _serve(options, q, cmd) -> None:
+def _serve(options, q, cmd, auth_key=None) -> None:
+    import os
+    if auth_key is not None:
+        os.environ["KVT_AUTH_KEY"] = auth_key
     from kvt import Agent, memory
 
     buf = memory.empty(GUARD + REGION + GUARD)
@@ -43,6 +46,8 @@ def _serve(options, q, cmd) -> None:
             elif op == "secret":
                 secret.seek(0)
                 q.put(secret.read())
+            elif op == "metadata":  # its data endpoint, for tests that may not fetch it by handshake
+                q.put(agent.backend.local_metadata())
             elif op == "notifs":
                 q.put({k: [len(m) for m in v] for k, v in agent.get_notifs().items()})
 
@@ -59,10 +64,10 @@ class Owner:
 
 
 @contextmanager
-def owner_process(options=None):
+def owner_process(options=None, auth_key=None):
     ctx = mp.get_context("spawn")
     q, cmd = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(options or {}, q, cmd), daemon=True)
+    proc = ctx.Process(target=_serve, args=(options or {}, q, cmd, auth_key), daemon=True)
     proc.start()
     try:
         yield Owner(proc, q, cmd, *q.get(timeout=60))

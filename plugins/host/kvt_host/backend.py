@@ -32,11 +32,14 @@ from typing import Any, Mapping
 import numpy as np
 import zmq
 from kvt import memory
+from kvt.auth import Secret
 from kvt.epoch import Epoch, EpochWatch
 from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
 from kvt.procs import host_id, start_time
-from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, KvtError, KvtTimeoutError,
-                        PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, WireError)
+from kvt.errors import (AuthenticationError, ConfigError, HandshakeError, HandshakeTimeout, InvalidArgument,
+                        KvtError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError, TransferTimeout,
+                        WireError)
+from kvt.handshake import open_session
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState)
 from kvt.wire import decode, encode
@@ -153,9 +156,11 @@ def _incarnation(md: HostMetadata) -> tuple:
 class _Peer:
     """What we know of a remote agent, and the lane that talks to it."""
 
-    def __init__(self, md: HostMetadata, transport: str):
+    def __init__(self, md: HostMetadata, transport: str, secret: Secret | None = None, timeout: float = 30.0):
         self.name, self.lane = md.name, _Lane(f"kvt-host->{md.name}")
         self._sock: zmq.Socket | None = None
+        self.secret, self.timeout = secret, timeout
+        self.session = None  # kvt.auth.ClientSession of the socket, with a secret
         self.stream: Stream | None = None  # the tcp path's data stream (kvt_host.stream), opened on first use
         self.streams = True                # False once the peer's server turned streams down (an older kvt)
         self._pidfd: int | None = None
@@ -227,16 +232,42 @@ class _Peer:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a reply holds at most one request's data
             self._sock.connect(self.md.endpoint)
+            if self.secret is not None:  # both sides prove the key before any request goes out
+                try:
+                    self.session = open_session(self._sock, self.secret, self.timeout, f"peer {self.name!r}", 1)
+                except (AuthenticationError, HandshakeTimeout) as e:
+                    self.drop_socket()
+                    cls = RemoteRejected if isinstance(e, AuthenticationError) else TransferTimeout
+                    raise cls(f"{e}") from e
         return self._sock
+
+    def seal(self, frames: list) -> list:
+        """``frames`` with their auth frame appended, once ``socket()`` opened a session."""
+        if self.session is not None:
+            frames.append(self.session.seal(frames))
+        return frames
+
+    def open(self, frames: list) -> list | None:
+        """A reply's frames once checked (None: a late reply to an earlier request)."""
+        if self.session is None:
+            return frames
+        try:
+            return self.session.open(frames, f"peer {self.name!r}")
+        except AuthenticationError as e:
+            self.drop_socket()  # the next request opens a new session (e.g. the peer forgot ours)
+            raise RemoteRejected(str(e)) from e
+
+    def drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._sock, self.session = None, None
 
     def close(self) -> None:
         self._watch(None)
         if self.epoch is not None:
             self.epoch.close()
             self.epoch = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self.drop_socket()
         self.drop_stream()
         for addr, size in self._maps.values():
             memops.munmap(addr, size)
@@ -287,6 +318,7 @@ class HostBackend(Backend):
     (address peers dial; default ``listen_host``).
     """
 
+    uses_auth_key = True  # its data server and peer sockets are authenticated with the agent's auth_key
     capabilities = Capabilities(mem_kinds=frozenset(MemKind), ops=frozenset(Op), notifications=True,
                                 local=True, remote=True, cross_host=True, max_notif_bytes=1 << 20,
                                 cross_host_options={"transport": "tcp"}, owner_check="server")
@@ -314,8 +346,10 @@ class HostBackend(Backend):
         #: transfers up to this many bytes between host memory on this host run in the calling thread
         self.inline_bytes = int(self.options.get("inline_bytes", 16 << 20))
         self._epoch = Epoch()
+        key = self.options.get("auth_key")  # set by the Agent from configuration auth_key
+        self._secret = None if key is None else Secret(key)
         try:
-            self._server = Server(self, listen, self.options.get("advertise_host", listen))
+            self._server = Server(self, listen, self.options.get("advertise_host", listen), self._secret)
         except HandshakeError as e:  # RouterServer's bind failure
             raise ConfigError(f"host backend: {e}; set option 'listen_host'") from e
         _LIVE[self._server.endpoint] = self
@@ -360,7 +394,7 @@ class HostBackend(Backend):
         with self._lock:
             peer = self._peers.get(md.name)
             if peer is None:
-                self._peers[md.name] = _Peer(md, self.transport)
+                self._peers[md.name] = _Peer(md, self.transport, self._secret, self.timeout)
             else:  # on the peer's worker, between its transfers
                 if _incarnation(md) != _incarnation(peer.md):
                     self._fail_jobs(peer, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
@@ -583,14 +617,16 @@ class HostBackend(Backend):
 
     def _request(self, peer: _Peer, req: Request, payload, job: _Job) -> list:
         sock = peer.socket()
-        sock.send_multipart([encode(req)] + ([payload] if payload is not None else []), copy=False)
+        sock.send_multipart(peer.seal([encode(req)] + ([payload] if payload is not None else [])), copy=False)
         deadline = time.monotonic() + self.timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferTimeout(f"peer {peer.name!r} did not answer {req.op} within {self.timeout:g}s")
             if sock.poll(int(min(left, _POLL) * 1000) + 1):
-                frames = sock.recv_multipart(copy=False)
+                frames = peer.open(sock.recv_multipart(copy=False))
+                if frames is None:
+                    continue  # a late answer to a request that already timed out
                 rep = decode(frames[0].bytes, Reply)
                 if rep.id != req.id:
                     continue  # a late answer to a request that already timed out
@@ -615,7 +651,8 @@ class HostBackend(Backend):
         if peer is None:
             self._inbox.deliver(self.agent_name, msg)
         else:
-            peer.socket().send(encode(Request(id=0, sender=self.agent_name, op="NOTIF", msg=msg)))
+            sock = peer.socket()
+            sock.send_multipart(peer.seal([encode(Request(id=0, sender=self.agent_name, op="NOTIF", msg=msg))]))
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()

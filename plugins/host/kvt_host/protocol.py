@@ -47,7 +47,7 @@ class Reply(Message, tag="host_rep"):
 
     id: int
     error: str = ""               # empty = success
-    code: str = ""                # "out_of_region" | "bad_request"
+    code: str = ""                # "out_of_region" | "bad_request" | "unauthenticated" | ...
     port: int = 0                 # STREAM: where the data stream listens (the server's host) ...
     token: bytes = b""            # ... and the one-time token that opens it (kvt_host.stream)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from kvt.errors import InvalidDescriptor, KvtError
+from kvt.auth import Secret
+from kvt.errors import AuthenticationError, InvalidDescriptor, KvtError, WireError
 from kvt.handshake import RouterServer
 from kvt.types import Descs, MemKind
 from kvt.wire import decode, encode
@@ -35,23 +36,35 @@ class Refused(Exception):
 
 
 class Server(RouterServer):
-    def __init__(self, backend, host: str, advertise: str):
+    """With ``secret`` every request must be authenticated (kvt.auth); the tags
+    cover the request/reply header frame (rows, sender, notification) and only
+    the length of bulk payload frames (docs/security.md)."""
+
+    def __init__(self, backend, host: str, advertise: str, secret: Secret | None = None):
         self._b, self._host = backend, host
         self._stream: StreamServer | None = None  # the tcp path's bulk bytes, opened on first use
         super().__init__(self._handle, host, name="kvt-host-server", copy=False,
-                         max_msg_bytes=MAX_MESSAGE_BYTES, refuse=self._refuse)
+                         max_msg_bytes=MAX_MESSAGE_BYTES, refuse=self._refuse, secret=secret, covered=1)
         self.endpoint = self.endpoint.replace(f"//{host}:", f"//{advertise}:", 1)
         self.start()
 
     @staticmethod
     def _refusal(rid: int, e: Exception) -> list:
         """Whatever went wrong, the initiator hears why, as a typed code."""
-        code = e.code if isinstance(e, Refused) else "bad_request"
-        what = str(e) if isinstance(e, (Refused, KvtError)) else f"{type(e).__name__}: {e}"
+        code = e.code if isinstance(e, Refused) else "unauthenticated" if isinstance(e, AuthenticationError) \
+            else "bad_request"
+        what = f"AuthenticationError: {e}" if isinstance(e, AuthenticationError) \
+            else str(e) if isinstance(e, (Refused, KvtError)) else f"{type(e).__name__}: {e}"
         return [encode(Reply(id=rid, error=what[:1024], code=code))]
 
     def _refuse(self, frames, e: Exception) -> list:
-        return self._refusal(-1, e)  # not even a request id could be read
+        rid = -1  # not even a request id could be read
+        if isinstance(e, AuthenticationError):  # well-formed but unauthenticated: tell its sender at once
+            try:
+                rid = decode(frames[0].bytes, Request).id
+            except (WireError, IndexError):
+                pass
+        return self._refusal(rid, e)
 
     def _handle(self, frames) -> list | None:
         req = decode(frames[0].bytes, Request)  # WireError -> refused with id -1

@@ -1,0 +1,271 @@
+"""Peer authentication with a shared secret (configuration ``auth_key``).
+
+Every kvt ZMQ channel (the handshake side channel and the host backend's
+data server, both ``kvt.handshake.RouterServer``) speaks the same small
+protocol when a key is set.  It adds one frame at the end of each message:
+
+1. client -> ``HELLO cn``  (16 random bytes)
+2. server -> ``CHALLENGE sn tag``: a fresh 16-byte ``sn`` and
+   ``tag = MAC(K, "server")`` with the session key
+   ``K = HMAC-SHA256(auth_key, "kvt-auth-v1" | cn | sn)``.  The client checks
+   the tag before it sends anything: the server proved it holds the key.
+3. client -> ``frames..., SEALED sn counter tag`` with
+   ``tag = MAC(K, "req" | counter | frames)``: the client proves the key; the
+   first valid message turns ``sn`` into a session.  ``counter`` must grow with
+   every message of a session, so a replayed or reordered message is refused.
+4. server -> ``frames..., REPLY counter MAC(K, "rep" | counter | frames)``:
+   the reply is bound to that request.
+
+A message that fails any check gets the channel's own typed refusal (readable
+by a peer without a key) followed by a ``REFUSED reason`` frame, and nothing
+else: no metadata, no memory.  Keys and tags are compared with
+``hmac.compare_digest``.  ``covered`` limits which leading frames a tag
+hashes: the host data channel MACs its request/reply header (rows, sender,
+notifications) and only the *length* of bulk payload frames; bulk bytes are
+left to integrity checks (``KVT_INTEGRITY``) — see docs/security.md.
+
+``MAC`` is keyed BLAKE2b-256; the session key is derived with HMAC-SHA256.
+Without a key none of this runs and the wire is as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+from .errors import AuthenticationError
+
+__all__ = ["Secret", "ClientSession", "ServerAuth", "NotifSeal", "MIN_KEY_CHARS"]
+
+MIN_KEY_CHARS = 16  # a shorter shared secret is refused at configuration time
+_MAGIC = b"kvtA1"
+_HELLO, _CHALLENGE, _SEALED, _REPLY, _REFUSED = b"H", b"C", b"M", b"R", b"X"
+_NONCE, _TAG = 16, 32
+_COUNTER = struct.Struct("<Q")
+_HELLO_LEN = len(_MAGIC) + 1 + _NONCE
+_CHALLENGE_LEN = len(_MAGIC) + 1 + _NONCE + _TAG
+_SEALED_LEN = len(_MAGIC) + 1 + _NONCE + 8 + _TAG
+_REPLY_LEN = len(_MAGIC) + 1 + 8 + _TAG
+_MAX_PENDING = 1024    # challenges handed out but not yet answered (anyone can ask for one)
+_MAX_SESSIONS = 4096   # proven sessions (only key holders create these)
+
+_SET_SAME_KEY = "set the same auth_key (or KVT_AUTH_KEY) on both sides"
+
+
+class Secret:
+    """The shared key.  Its repr and str never show it."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: "str | bytes | Secret"):
+        self._key = key._key if isinstance(key, Secret) else (key.encode() if isinstance(key, str) else bytes(key))
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        raise TypeError("kvt.auth.Secret is not picklable; pass the configuration (auth_key) instead")
+
+    def session_key(self, cn: bytes, sn: bytes) -> bytes:
+        return hmac.new(self._key, b"kvt-auth-v1" + cn + sn, hashlib.sha256).digest()
+
+
+def _view(frame) -> memoryview:
+    return memoryview(getattr(frame, "buffer", frame))  # zmq.Frame (copy=False), bytes or numpy
+
+
+def _bytes(frame) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+
+
+def _tag(key: bytes, label: bytes, counter: int, frames: Sequence, covered: int | None) -> bytes:
+    """A MAC over the frame count, every frame's length and the first ``covered``
+    frames' bytes: keyed BLAKE2b-256 (one C object per message; Python's HMAC
+    builds several)."""
+    h = hashlib.blake2b(label + _COUNTER.pack(counter) + _COUNTER.pack(len(frames)), key=key[:64], digest_size=_TAG)
+    for i, f in enumerate(frames):
+        v = _view(f)
+        h.update(_COUNTER.pack(v.nbytes))
+        if covered is None or i < covered:
+            h.update(v.cast("B") if v.ndim != 1 or v.format != "B" else v)
+    return h.digest()
+
+
+def refusal_reason(frame) -> str | None:
+    """The reason of a ``REFUSED`` frame, or None if ``frame`` is not one."""
+    data = _bytes(frame)
+    if data[:len(_MAGIC) + 1] != _MAGIC + _REFUSED:
+        return None
+    return data[len(_MAGIC) + 1:len(_MAGIC) + 1 + 512].decode("utf-8", "replace")
+
+
+class ClientSession:
+    """The client's end of one authenticated connection (one socket)."""
+
+    def __init__(self, secret: Secret, covered: int | None = None):
+        self._secret, self._covered = secret, covered
+        self._cn = os.urandom(_NONCE)
+        self._key = self._sid = None
+        self.counter = 0
+
+    def hello(self) -> bytes:
+        return _MAGIC + _HELLO + self._cn
+
+    def accept(self, frames: Sequence, who: str) -> None:
+        """Check the server's CHALLENGE (the last frame of its answer to ``hello``)."""
+        last = _bytes(frames[-1]) if frames else b""
+        reason = refusal_reason(last)
+        if reason is not None:
+            raise AuthenticationError(f"{who} refused us: {reason}")
+        if len(last) != _CHALLENGE_LEN or not last.startswith(_MAGIC + _CHALLENGE):
+            raise AuthenticationError(f"{who} did not answer the authentication challenge (it may have no "
+                                      f"auth_key); {_SET_SAME_KEY}")
+        sn, tag = last[-_NONCE - _TAG:-_TAG], last[-_TAG:]
+        key = self._secret.session_key(self._cn, sn)
+        if not hmac.compare_digest(tag, _tag(key, b"server", 0, (), None)):
+            raise AuthenticationError(f"{who} could not prove it holds our auth_key; {_SET_SAME_KEY}")
+        self._key, self._sid = key, sn
+
+    def seal(self, frames: Sequence) -> bytes:
+        """The frame to append to ``frames`` (the next message of this session)."""
+        self.counter += 1
+        return (_MAGIC + _SEALED + self._sid + _COUNTER.pack(self.counter)
+                + _tag(self._key, b"req", self.counter, frames, self._covered))
+
+    def open(self, frames: Sequence, who: str) -> list | None:
+        """The reply ``frames`` without their auth frame if they answer our
+        latest message; None for a late answer to an earlier one.  Raises
+        ``AuthenticationError`` for a refusal or a reply that fails its tag."""
+        last = _bytes(frames[-1]) if frames else b""
+        reason = refusal_reason(last)
+        if reason is not None:
+            raise AuthenticationError(f"{who} refused our message: {reason}")
+        if len(last) != _REPLY_LEN or not last.startswith(_MAGIC + _REPLY):
+            raise AuthenticationError(f"{who} sent an unauthenticated reply; {_SET_SAME_KEY}")
+        counter = _COUNTER.unpack_from(last, len(_MAGIC) + 1)[0]
+        if counter != self.counter:
+            return None
+        body = list(frames[:-1])
+        if not hmac.compare_digest(last[-_TAG:], _tag(self._key, b"rep", counter, body, self._covered)):
+            raise AuthenticationError(f"a reply from {who} failed authentication (altered in transit?)")
+        return body
+
+
+class ServerAuth:
+    """The server's end: answers HELLOs, checks every other message, seals replies.
+    Used by one server thread only."""
+
+    def __init__(self, secret: Secret, covered: int | None = None):
+        self._secret, self._covered = secret, covered
+        self._pending: OrderedDict[bytes, bytes] = OrderedDict()        # sn -> session key
+        self._sessions: OrderedDict[bytes, list] = OrderedDict()        # sn -> [session key, last counter]
+
+    def serve(self, frames: list, answer: Callable[[list], list | None],
+              refuse: Callable[[list, Exception], list | None] | None) -> list | None:
+        """Reply to ``frames`` (a ROUTER message without the identity):
+        ``answer`` sees and returns frames exactly as without authentication."""
+        env = frames[:1] if frames and _view(frames[0]).nbytes == 0 else []  # a REQ socket's empty delimiter
+        body = frames[len(env):]
+        last = _bytes(body[-1]) if body and _view(body[-1]).nbytes <= _SEALED_LEN else b""
+        if len(body) == 1 and len(last) == _HELLO_LEN and last.startswith(_MAGIC + _HELLO):
+            return env + [self._challenge(last[-_NONCE:])]
+        try:
+            key, counter = self._check(body, last)
+        except AuthenticationError as e:
+            native = refuse(env + body, e) if refuse is not None else None
+            return (native or list(env)) + [_MAGIC + _REFUSED + str(e).encode()[:512]]
+        reply = answer(env + body[:-1])
+        if reply is None:
+            return None
+        out = reply[len(env):]
+        return reply + [_MAGIC + _REPLY + _COUNTER.pack(counter) + _tag(key, b"rep", counter, out, self._covered)]
+
+    def _challenge(self, cn: bytes) -> bytes:
+        sn = os.urandom(_NONCE)
+        key = self._secret.session_key(cn, sn)
+        self._pending[sn] = key
+        if len(self._pending) > _MAX_PENDING:  # a HELLO flood evicts only unanswered challenges
+            self._pending.popitem(last=False)
+        return _MAGIC + _CHALLENGE + sn + _tag(key, b"server", 0, (), None)
+
+    def _check(self, body: list, last: bytes) -> tuple[bytes, int]:
+        if len(body) < 2 or len(last) != _SEALED_LEN or not last.startswith(_MAGIC + _SEALED):
+            raise AuthenticationError(f"this agent requires authentication and the message had none; {_SET_SAME_KEY}")
+        at = len(_MAGIC) + 1
+        sid, counter, tag = last[at:at + _NONCE], _COUNTER.unpack_from(last, at + _NONCE)[0], last[-_TAG:]
+        session = self._sessions.get(sid)
+        key = session[0] if session is not None else self._pending.get(sid)
+        if key is None:
+            raise AuthenticationError("unknown or expired authentication session; reconnect")
+        if not hmac.compare_digest(tag, _tag(key, b"req", counter, body[:-1], self._covered)):
+            raise AuthenticationError(f"message failed authentication (wrong auth_key, or altered); {_SET_SAME_KEY}")
+        if session is None:
+            del self._pending[sid]
+            session = self._sessions[sid] = [key, 0]
+            if len(self._sessions) > _MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        if counter <= session[1]:
+            raise AuthenticationError("replayed or reordered message refused")
+        session[1] = counter
+        self._sessions.move_to_end(sid)
+        return key, counter
+
+
+class NotifSeal:
+    """Authenticated notifications for backends whose channels kvt does not
+    own (nixl, ucx: NIXL/UCX carry them).  ``seal`` prefixes a message with
+    ``magic | sender nonce | counter | tag``, the tag binding the sender's and
+    receiver's names, the receiver's incarnation (published in its AgentInfo,
+    so a message cannot be replayed to a restarted receiver) and the message;
+    ``open`` returns the message, or None for anything forged, altered or
+    replayed (a 64-message window per sender incarnation, as IPsec does)."""
+
+    OVERHEAD = len(_MAGIC) + 1 + _NONCE + 8 + _TAG
+    _WINDOW = 64
+    _MAX_SENDERS = 4096
+
+    def __init__(self, secret: Secret, me: str):
+        self._secret, self._me = secret, me
+        self.incarnation = os.urandom(_NONCE)  #: published to peers (``AgentInfo.extra``)
+        self._nonce = os.urandom(_NONCE)
+        self._next = iter(range(1, 1 << 63)).__next__  # atomic under the GIL
+        self._seen: OrderedDict[bytes, list] = OrderedDict()  # sender nonce -> [highest counter, bitmap]
+
+    def _tag(self, sender: str, receiver: str, incarnation: bytes, nonce: bytes, counter: int, msg) -> bytes:
+        s, r = sender.encode(), receiver.encode()
+        head = _COUNTER.pack(len(s)) + s + _COUNTER.pack(len(r)) + r + incarnation + nonce
+        return _tag(self._secret._key, b"kvt-notif-v1" + head, counter, (msg,), None)
+
+    def seal(self, receiver: str, incarnation: bytes, msg: bytes) -> bytes:
+        counter = self._next()
+        tag = self._tag(self._me, receiver, incarnation, self._nonce, counter, msg)
+        return _MAGIC + _SEALED + self._nonce + _COUNTER.pack(counter) + tag + bytes(msg)
+
+    def open(self, sender: str, data: bytes) -> bytes | None:
+        n = self.OVERHEAD
+        if len(data) < n or not data.startswith(_MAGIC + _SEALED):
+            return None
+        at = len(_MAGIC) + 1
+        nonce, counter, tag = data[at:at + _NONCE], _COUNTER.unpack_from(data, at + _NONCE)[0], data[n - _TAG:n]
+        msg = data[n:]
+        if not hmac.compare_digest(tag, self._tag(sender, self._me, self.incarnation, nonce, counter, msg)):
+            return None
+        seen = self._seen.setdefault(nonce, [0, 0])
+        self._seen.move_to_end(nonce)
+        if len(self._seen) > self._MAX_SENDERS:
+            self._seen.popitem(last=False)
+        high, bits = seen
+        if counter > high:
+            shift = counter - high
+            seen[0], seen[1] = counter, ((bits << shift) | 1) & ((1 << self._WINDOW) - 1) if shift < self._WINDOW else 1
+        elif high - counter >= self._WINDOW or bits >> (high - counter) & 1:
+            return None  # replayed, or too old to tell
+        else:
+            seen[1] = bits | 1 << (high - counter)
+        return msg
