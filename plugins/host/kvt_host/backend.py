@@ -47,6 +47,7 @@ from kvt.wire import decode, encode
 from . import memops
 from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, HostMetadata, Reply, Request, chunks, rows_of
 from .server import Server
+from .stream import Stream
 from .staging import Mirrors
 
 _TRANSPORTS = ("auto", "cma", "tcp")
@@ -160,6 +161,8 @@ class _Peer:
         self._sock: zmq.Socket | None = None
         self.secret, self.timeout = secret, timeout
         self.session = None  # kvt.auth.ClientSession of the socket, with a secret
+        self.stream: Stream | None = None  # the tcp path's data stream (kvt_host.stream), opened on first use
+        self.streams = True                # False once the peer's server turned streams down (an older kvt)
         self._pidfd: int | None = None
         self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
         self.epoch: EpochWatch | None = None
@@ -265,9 +268,16 @@ class _Peer:
             self.epoch.close()
             self.epoch = None
         self.drop_socket()
+        self.drop_stream()
         for addr, size in self._maps.values():
             memops.munmap(addr, size)
         self._maps.clear()
+
+
+    def drop_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
 
 
 def _checked(md: HostMetadata) -> tuple[dict[MemKind, Descs], np.ndarray]:
@@ -571,6 +581,15 @@ class HostBackend(Backend):
         read = job.op is Op.READ
         # one request per slice within the owner's limits (protocol.MAX_REQUEST_*)
         paired = np.column_stack([local[:, 0], job.rrows[:, 0], job.rrows[:, 1], job.rrows[:, 2]])
+        stream = self._stream(peer, job)
+        if stream is not None:
+            try:
+                for part in chunks(paired):
+                    stream.move(job.op.value, job.rkind, part[:, [0, 2]], part[:, [1, 2, 3]])
+            except (PeerDisconnected, TransferTimeout):
+                peer.drop_stream()
+                raise
+            return
         for part in chunks(paired):
             lrows, rrows = part[:, [0, 2]], part[:, [1, 2, 3]]
             payload = None if read else memops.gather(lrows)
@@ -580,6 +599,21 @@ class HostBackend(Backend):
                 if len(frames) != 2:
                     raise TransferError(f"peer {peer.name!r} answered a READ without data")
                 memops.scatter(lrows, frames[1].buffer)
+
+    def _stream(self, peer: _Peer, job: _Job) -> Stream | None:
+        """The peer's data stream, opened through its server on first use;
+        None where the server turns streams down (then the bytes go in ZMQ messages)."""
+        if peer.stream is None and peer.streams:
+            try:
+                frames = self._request(peer, Request(id=self._next_id(), sender=self.agent_name, op="STREAM"),
+                                       None, job)
+            except RemoteRejected as e:
+                peer.streams = "unknown op" not in str(e)  # an older kvt: ask no more; else maybe next time
+                return None
+            rep = decode(frames[0].bytes, Reply)
+            host = peer.md.endpoint.rsplit(":", 1)[0].split("//", 1)[-1]
+            peer.stream = Stream(host, rep.port, rep.token, self.timeout, f"peer {peer.name!r}")
+        return peer.stream
 
     def _request(self, peer: _Peer, req: Request, payload, job: _Job) -> list:
         sock = peer.socket()

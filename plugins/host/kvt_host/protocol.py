@@ -36,7 +36,7 @@ class Request(Message, tag="host_req"):
 
     id: int
     sender: str
-    op: str                       # "READ" | "WRITE" | "NOTIF"
+    op: str                       # "READ" | "WRITE" | "NOTIF" | "STREAM"
     kind: str = "DRAM"
     rows: bytes = b""
     msg: bytes = b""
@@ -48,6 +48,8 @@ class Reply(Message, tag="host_rep"):
     id: int
     error: str = ""               # empty = success
     code: str = ""                # "out_of_region" | "bad_request" | "unauthenticated" | ...
+    port: int = 0                 # STREAM: where the data stream listens (the server's host) ...
+    token: bytes = b""            # ... and the one-time token that opens it (kvt_host.stream)
 
 
 def rows_of(data: bytes) -> np.ndarray:

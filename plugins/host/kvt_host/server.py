@@ -21,6 +21,7 @@ from kvt.types import Descs, MemKind
 from kvt.wire import decode, encode
 
 from .memops import gather, scatter
+from .stream import StreamServer
 from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, Reply, Request, rows_of
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class Server(RouterServer):
     the length of bulk payload frames (docs/security.md)."""
 
     def __init__(self, backend, host: str, advertise: str, secret: Secret | None = None):
-        self._b = backend
+        self._b, self._host = backend, host
+        self._stream: StreamServer | None = None  # the tcp path's bulk bytes, opened on first use
         super().__init__(self._handle, host, name="kvt-host-server", copy=False,
                          max_msg_bytes=MAX_MESSAGE_BYTES, refuse=self._refuse, secret=secret, covered=1)
         self.endpoint = self.endpoint.replace(f"//{host}:", f"//{advertise}:", 1)
@@ -71,6 +73,38 @@ class Server(RouterServer):
         except Exception as e:  # noqa: BLE001 - the server never dies and always answers
             return self._refusal(req.id, e)
 
+    def _open_stream(self, req: Request) -> list:
+        if self._stream is None:
+            self._stream = StreamServer(self._host, self.checked, self._b.timeout)
+        return [encode(Reply(id=req.id, port=self._stream.port, token=self._stream.issue(req.sender)))]
+
+    def checked(self, op: str, kind: MemKind, rows, sender: str):
+        """The ``(k, 2)`` host rows a READ or WRITE of ``rows`` from ``sender``
+        touches, once every row proved to lie in memory we registered (READ
+        staged to host), and what to call once a WRITE landed.  ``Refused``
+        otherwise; nothing has moved then."""
+        if not len(rows):
+            raise Refused("bad_request", f"{op} request without rows")
+        try:
+            Descs(rows).check_rows(f"{op} request", max_rows=MAX_REQUEST_ROWS, max_bytes=MAX_REQUEST_BYTES)
+        except InvalidDescriptor as e:
+            raise Refused("bad_request", str(e)) from None
+        if (Descs(rows).locate(self._b._regions.of(kind)) < 0).any():
+            raise Refused("out_of_region", f"{sender!r} asked to {op} {kind.value} memory that "
+                                           f"{self._b.agent_name!r} did not register")
+        if kind is MemKind.DRAM:
+            return rows[:, :2], _nothing
+        local = rows[:, :2].copy()
+        local[:, 0] = self._b._mirrors.translate(rows)[0]
+        if op == "READ":
+            self._b._mirrors.to_host(rows)
+        return local, lambda: self._b._mirrors.to_device(rows)
+
+    def close(self) -> None:
+        super().close()
+        if self._stream is not None:
+            self._stream.close()
+
     def _serve_request(self, req: Request, frames) -> list | None:
         if len(req.sender) > MAX_NAME:
             raise Refused("bad_request", f"sender name longer than {MAX_NAME} characters")
@@ -81,35 +115,25 @@ class Server(RouterServer):
             if not self._b._inbox.deliver(req.sender, req.msg):
                 raise Refused("busy", f"{self._b.agent_name!r} has too many unread notifications")
             return None
+        if req.op == "STREAM":
+            return self._open_stream(req)
         if req.op not in ("READ", "WRITE"):
             raise Refused("bad_request", f"unknown op {req.op!r}")
         try:
             kind = MemKind(req.kind)
         except ValueError:
             raise Refused("bad_request", f"unknown memory kind {req.kind!r}") from None
-        rows = rows_of(req.rows)
-        if not len(rows):
-            raise Refused("bad_request", f"{req.op} request without rows")
-        try:
-            Descs(rows).check_rows(f"{req.op} request", max_rows=MAX_REQUEST_ROWS, max_bytes=MAX_REQUEST_BYTES)
-        except InvalidDescriptor as e:
-            raise Refused("bad_request", str(e)) from None
-        if (Descs(rows).locate(self._b._regions.of(kind)) < 0).any():
-            raise Refused("out_of_region", f"{req.sender!r} asked to {req.op} {kind.value} memory that "
-                                           f"{self._b.agent_name!r} did not register")
-        staged = kind is not MemKind.DRAM
-        local = rows[:, :2].copy()
-        if staged:
-            local[:, 0] = self._b._mirrors.translate(rows)[0]
+        local, landed = self.checked(req.op, kind, rows_of(req.rows), req.sender)
         if req.op == "READ":
             if len(frames) != 1:
                 raise Refused("bad_request", "READ request with a payload frame")
-            if staged:
-                self._b._mirrors.to_host(rows)
             return [encode(Reply(id=req.id)), gather(local)]
         if len(frames) != 2:
             raise Refused("bad_request", "WRITE request without exactly one payload frame")
         scatter(local, frames[1].buffer)  # BufferError if the payload does not match the rows
-        if staged:
-            self._b._mirrors.to_device(rows)
+        landed()
         return [encode(Reply(id=req.id))]
+
+
+def _nothing() -> None:
+    pass
