@@ -164,8 +164,9 @@ def _caches(spec: EngineSpec, rank: int) -> dict:
     shape = {"split": (2, spec.num_blocks, *block), "joined": (spec.num_blocks, 2, *block),
              "packed": (spec.num_blocks, *block), "mla": (spec.num_blocks, *block)}[m.kv_layout]
     dtype = getattr(torch, m.dtype)
-    # staging: a private buffer stands in for device memory; otherwise kvt shared memory
-    alloc = (lambda: torch.zeros(shape, dtype=dtype)) if spec.staging else (lambda: empty_tensor(shape, dtype))
+    # staging: a private buffer stands in for device memory; otherwise kvt shared memory, zeroed
+    # like an engine's cache at start-up (else the first loads into a block pay its page faults)
+    alloc = (lambda: torch.zeros(shape, dtype=dtype)) if spec.staging else (lambda: empty_tensor(shape, dtype).zero_())
     return {f"layers.{i}.attn": alloc() for i in range(m.layers)}
 
 
@@ -493,7 +494,8 @@ def run_pd(prefill: EngineSpec, decode: EngineSpec, requests: list[RequestSpec],
                                       f"held {sorted(run.held)}, loading {sorted(run.loading)}")
             run.prefill_step()
             run.decode_step()
-            time.sleep(poll)
+            if not (run.loading or run.ready):  # an engine steps back to back while reads are in flight
+                time.sleep(poll)
         elapsed = time.perf_counter() - t0
         workers, leaks = {}, {}
         for e in engines:

@@ -12,6 +12,7 @@ import contextlib
 import glob
 import logging
 import os
+import threading
 from functools import lru_cache
 from typing import Any, Iterator, Mapping
 
@@ -136,20 +137,22 @@ _THREAD_KEYS = {"GDS_MT": "thread_count", "UCCL": "num_cpus"}
 
 
 def new_agent(name: str, backends: list[str], params: Mapping[str, Mapping[str, str]],
-              num_threads: int, progress_thread: bool, env: Mapping[str, str]) -> Any:
+              num_threads: int, progress_thread: bool, env: Mapping[str, str], progress_delay_us: int = 0) -> Any:
     """A ``nixl_agent`` with ``backends`` created from ``params``.
 
     The agent is created without backends and each is then created
     explicitly, so that per-backend init parameters (e.g. UCX's
     ``ucx_error_handling_mode``) reach NIXL; nixl_agent_config only carries
     a thread count.  Thread-safe (``NIXL_THREAD_SYNC_STRICT``): kvt's
-    callers may post and poll from several threads."""
+    callers may post and poll from several threads.  ``progress_delay_us``:
+    see ``_progress_delay``."""
     mod = api()
     conf = mod.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
                                  sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     with temp_env(env):
         try:
-            agent = mod.nixl_agent(name, conf)
+            with _progress_delay(mod, progress_delay_us if progress_thread else 0):
+                agent = mod.nixl_agent(name, conf)
         except Exception as e:
             raise translate(e, f"creating NIXL agent {name!r}", BackendUnavailable) from e
         missing = [b for b in backends if b not in agent.get_plugin_list()]
@@ -166,3 +169,44 @@ def new_agent(name: str, backends: list[str], params: Mapping[str, Mapping[str, 
                                    f"{dict(env)}; UCX explains on stderr)", BackendUnavailable,
                                 {"NIXL_ERR_INVALID_PARAM": ConfigError}) from e
     return agent
+
+
+_AGENT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _progress_delay(mod: Any, delay_us: int) -> Iterator[None]:
+    """Agents created meanwhile get ``pthrDelay = delay_us``.
+
+    ``nixl_agent`` hard-codes ``pthrDelay = 0``, and NIXL's UCX progress
+    thread polls its workers' event fds with a timeout of ``pthrDelay``
+    rounded up to milliseconds: 0 makes it spin, a whole core per agent
+    (measured: 94% of a core idle), which on a small machine is taken from
+    the engine's own compute.  With a delay it sleeps in ``poll`` until UCX
+    signals an event (or the delay passes, NIXL's guard against missed
+    wake-ups).  The bindings are swapped only for the ``nixl_agent`` call,
+    under a lock, and restored after."""
+    real = getattr(mod, "nixlBind", None)
+    if not delay_us or real is None or not hasattr(real.nixlAgentConfig(), "pthrDelay"):
+        if delay_us:
+            logging.getLogger(__name__).warning("this nixl has no pthrDelay; its progress thread busy-polls")
+        yield
+        return
+
+    class _Bindings:
+        """The bindings module, except that agents get our delay."""
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        @staticmethod
+        def nixlAgent(name: str, config: Any) -> Any:  # noqa: N802 - NIXL's name
+            config.pthrDelay = int(delay_us)
+            return real.nixlAgent(name, config)
+
+    with _AGENT_LOCK:
+        mod.nixlBind = _Bindings()
+        try:
+            yield
+        finally:
+            mod.nixlBind = real

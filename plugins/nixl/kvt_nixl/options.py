@@ -27,6 +27,10 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
     #: NIXL's progress thread: completes transfers and receives notifications
     #: without the application polling.  Without it only our own NIXL calls progress.
     progress_thread: bool = True
+    #: the progress thread's wait between polls when idle, in microseconds (NIXL rounds it
+    #: up to milliseconds; it wakes at once on a UCX event).  0 = spin (nixl_agent's
+    #: default), which costs a whole core per agent
+    progress_delay_us: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
     #: UCX_* environment settings applied while the agent's backends are
     #: created (e.g. ``{"UCX_TLS": "cma,tcp,self"}``), then restored
     ucx_env: dict[str, str | int] = {}

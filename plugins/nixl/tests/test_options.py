@@ -21,7 +21,7 @@ from peerproc import BLOCK, NUM_BLOCKS, load, pattern, settle
     ({"num_threads": -1}, "num_threads"), ({"backends": []}, "backends"), ({"backends": "UCX"}, "backends"),
     ({"backends": ["NO_SUCH_PLUGIN"]}, "NO_SUCH_PLUGIN"), ({"progress_thread": "yes"}, "progress_thread"),
     ({"ucx_env": {"PATH": "/x"}}, "UCX_"), ({"ucx_env": ["UCX_TLS"]}, "ucx_env"), ({"timeout": 0}, "timeout"),
-    ({"backend_params": {"UCX": "none"}}, "backend_params"),
+    ({"backend_params": {"UCX": "none"}}, "backend_params"), ({"progress_delay_us": -1}, "progress_delay_us"),
 ])
 def test_bad_options_name_the_field(options, field):
     with pytest.raises(ConfigError, match=field):
@@ -35,6 +35,42 @@ def test_ucx_env_reaches_ucx_and_is_restored():
     with pytest.raises(BackendUnavailable, match="UCX_TLS"):
         NixlBackend("bad-tls", {"ucx_env": {"UCX_TLS": "no_such_transport"}})
     assert os.environ.get("UCX_TLS") == before
+
+
+_IDLE_CPU = """
+import resource, sys, time
+from kvt_nixl.backend import NixlBackend
+b = NixlBackend("idle", {"progress_delay_us": int(sys.argv[1])})
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+time.sleep(1.0)
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+print((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / (time.monotonic() - t0))
+"""
+
+
+def test_progress_thread_sleeps_when_idle():
+    """nixl_agent's progress thread spins (pthrDelay 0); with kvt's default
+    delay it waits in poll: an idle agent uses a small part of what the
+    spinning one does (a wide margin: both share this machine's cores)."""
+    def idle_cpu(delay_us: int) -> float:
+        out = subprocess.run([sys.executable, "-c", _IDLE_CPU, str(delay_us)], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        return float(out.split()[-1])
+
+    spinning, sleeping = idle_cpu(0), idle_cpu(1000)
+    assert spinning > 0.3, f"the spinning thread used only {spinning:.0%} of a core"
+    assert sleeping < spinning / 4, f"idle agent with the delay used {sleeping:.0%} of a core, spinning {spinning:.0%}"
+    assert native.api().nixlBind.__name__.endswith("_bindings")  # the bindings are restored after creation
+
+
+def test_ucx_memory_hooks_off_on_cpu_hosts_unless_asked():
+    from kvt_nixl.backend import _ucx_env
+
+    if native.cuda_present():
+        assert "UCX_MEM_EVENTS" not in _ucx_env({})
+    else:
+        assert _ucx_env({})["UCX_MEM_EVENTS"] == "no"
+    assert _ucx_env({"UCX_MEM_EVENTS": "yes", "UCX_TLS": "tcp"}) == {"UCX_MEM_EVENTS": "yes", "UCX_TLS": "tcp"}
 
 
 def test_tcp_only_still_moves_bytes(make_backend, peer, local_buf):

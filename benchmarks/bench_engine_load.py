@@ -1,0 +1,91 @@
+"""Reference engine (``kvt demo --engine``): median load time per request
+next to ``kvt bench`` moving the same blocks on the same backend, in one run.
+
+    python benchmarks/bench_engine_load.py [--backends host,nixl,ucx] [--requests 12]
+        [--blocks 64] [--layers 4] [--heads 8] [--head-dim 128] [--block-size 16]
+
+The engine runs ``--requests`` requests of exactly ``--blocks`` blocks, one
+at a time (each admitted once the one before finished), so a request's load
+time is its own: decode read scheduled -> reported loaded, through the
+connector (``start_load_kv`` posts, ``get_finished`` notices) and the worker
+process's step.  The toy model's cache is split K/V per layer, so a request
+reads ``layers x 2 x blocks`` descriptors of ``heads x block_size x
+head_dim`` float16 values; ``kvt bench`` then moves exactly that (one READ
+of that many blocks of that size, two fresh processes, ``--groups sweep``).
+Prints a markdown table; the ratio is engine / bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kvt.connector.reference import EngineSpec, RequestSpec, ToyModel, run_pd
+
+
+def engine_loads(backend: str, args: argparse.Namespace) -> tuple[list[float], int]:
+    """Load seconds of each request after the first (warm-up), and the bytes one request reads."""
+    model = ToyModel(layers=args.layers, kv_heads=args.heads, head_dim=args.head_dim, block_size=args.block_size,
+                     name="bench")
+    engine = {"model": model, "num_blocks": 2 * args.blocks + 8, "backend": backend}
+    specs = [RequestSpec(f"r{i}", args.blocks * args.block_size, barrier=True) for i in range(args.requests + 1)]
+    report = run_pd(EngineSpec("prefill", **engine), EngineSpec("decode", **engine), specs, timeout=300)
+    results = list(report.results.values())
+    bad = [r for r in results if r.status != "ok" or r.mismatches]
+    if bad or report.leaks:
+        raise SystemExit(f"{backend}: the engine run failed: {bad[:2]} leaks {report.leaks}")
+    if any(r.loaded_blocks != args.blocks for r in results):
+        raise SystemExit(f"{backend}: a request did not load all {args.blocks} blocks")
+    return [r.load_latency for r in results[1:]], report.bytes_moved // len(results)
+
+
+def bench_read(backend: str, block: int, batch: int) -> dict:
+    """``kvt bench``'s row for one READ of ``batch`` blocks of ``block`` bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        cmd = [str(Path(sys.executable).with_name("kvt")), "bench", "--backend", backend, "--groups", "sweep", "--ops", "READ",
+               "--block-sizes", str(block), "--batches", str(batch), "--baselines", "memcpy", "--rounds", "1",
+               "--no-progress", "--json", str(out)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        rows = json.loads(out.read_text())["results"]
+    mine = [r for r in rows if r.get("engine") == backend and r.get("median_s")]
+    memcpy = [r for r in rows if r.get("engine") == "memcpy" and r.get("median_s")]
+    if not mine:
+        raise SystemExit(f"kvt bench gave no {backend} row: {rows}")
+    return {"median_s": mine[0]["median_s"], "memcpy_s": memcpy[0]["median_s"] if memcpy else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="host")
+    ap.add_argument("--requests", type=int, default=12, help="timed requests (one more runs first, untimed)")
+    ap.add_argument("--blocks", type=int, default=64, help="blocks per request")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    args = ap.parse_args()
+    part = args.heads * args.block_size * args.head_dim * 2  # one layer's K or V of one block, float16
+    descs = args.layers * 2 * args.blocks
+    print(f"{args.requests} requests of {args.blocks} blocks ({descs} descriptors of {part // 1024} KiB, "
+          f"{descs * part / 2**20:.1f} MiB each), one at a time; medians\n")
+    print("| backend | engine load ms | kvt bench READ ms | engine / bench | memcpy ms |")
+    print("|---|---:|---:|---:|---:|")
+    for backend in args.backends.split(","):
+        loads, nbytes = engine_loads(backend, args)
+        if nbytes != descs * part:
+            raise SystemExit(f"{backend}: a request moved {nbytes} bytes, expected {descs * part}")
+        b = bench_read(backend, part, descs)
+        load = statistics.median(loads)
+        memcpy = f"{1e3 * b['memcpy_s']:.2f}" if b["memcpy_s"] else "-"
+        print(f"| {backend} | {1e3 * load:.2f} | {1e3 * b['median_s']:.2f} | {load / b['median_s']:.2f}x | {memcpy} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
