@@ -31,14 +31,14 @@ from typing import Any, Mapping
 
 import numpy as np
 import zmq
-from kvt import memory
+from kvt import memory, memcopy
 from kvt.epoch import Epoch, EpochWatch
 from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
 from kvt.procs import host_id, start_time
 from kvt.errors import (ConfigError, HandshakeError, InvalidArgument, KvtError, KvtTimeoutError,
                         PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
-                       XferHandle, XferState)
+                       XferHandle, XferState, as_index)
 from kvt.wire import decode, encode
 
 from . import memops
@@ -56,6 +56,12 @@ class _Prep:
     peer: str | None
     descs: Descs
     mapped: np.ndarray | None = None  # our addresses of a peer's rows in its shared segments
+    # for the one-call same-host path (_copy_here): host addresses we can copy at, their lengths
+    # (one int if uniform), and the peer and mapping generation the addresses belong to
+    addrs: np.ndarray | None = None
+    lengths: Any = None
+    owner: "_Peer | None" = None
+    gen: int = 0
 
 
 _settle = threading.Lock()  # guards every job's state and waiter: held for a few instructions only
@@ -97,6 +103,13 @@ class _Job:
         return self.state
 
 
+_I64 = np.dtype(np.int64)
+
+
+_DONE = _Job(Op.READ, None, MemKind.DRAM, None, MemKind.DRAM, None, None)
+_DONE.state = XferState.DONE  # the record of every transfer settled inline: nothing to keep per transfer
+
+
 class _Lane:
     """One worker thread, plus the right to run a job on the caller's thread
     instead when the lane is idle: small same-host copies then skip a thread
@@ -134,6 +147,17 @@ class _Lane:
             return True
         return False
 
+    def enter(self) -> bool:
+        """Claim the idle lane for work on the caller's thread (then ``leave``)."""
+        with self._lock:
+            if self._busy:
+                return False
+            self._busy += 1
+            return True
+
+    def leave(self) -> None:
+        self._done()
+
     def run_inline(self, fn, *args) -> bool:
         """Run ``fn`` here and now if the lane is idle; False if it is not."""
         with self._lock:
@@ -157,6 +181,7 @@ class _Peer:
         self._sock: zmq.Socket | None = None
         self._pidfd: int | None = None
         self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
+        self.gen = 0  # bumped when the mappings go: preps holding their addresses are then void
         self.epoch: EpochWatch | None = None
         self.update(md, transport)
 
@@ -227,6 +252,7 @@ class _Peer:
         return self._sock
 
     def close(self) -> None:
+        self.gen += 1
         self._watch(None)
         if self.epoch is not None:
             self.epoch.close()
@@ -395,14 +421,26 @@ class HostBackend(Backend):
             descs.check_within(self._peer(peer).regions.get(descs.kind, Descs.empty(descs.kind)),
                                f"descriptors of peer {peer!r}")
         # translate once here, so the shm path costs no lookup per transfer
-        mapped = self._peer(peer).mapped(descs.array) if peer is not None and descs.kind is MemKind.DRAM else None
+        owner = None if peer is None else self._peer(peer)
+        mapped = owner.mapped(descs.array) if owner is not None and descs.kind is MemKind.DRAM else None
+        p = _Prep(peer, descs, mapped)
+        if descs.kind is MemKind.DRAM and (owner is None or mapped is not None):
+            p.addrs = np.ascontiguousarray(descs.addrs if owner is None else mapped, np.uint64)
+            uniform = descs.uniform_length
+            p.lengths = uniform if uniform is not None else np.ascontiguousarray(descs.lengths)
+            p.owner, p.gen = owner, 0 if owner is None else owner.gen
         h = self._next_id()
-        self._preps[h] = _Prep(peer, descs, mapped)
+        self._preps[h] = p
         return PrepHandle(h)
 
     def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
-        self._check_open()
+        if self._closed:
+            self._check_open()
+        if notif is None and type(op) is Op:
+            h = self._copy_here(op, local_prep, local_idx, remote_prep, remote_idx)
+            if h is not None:
+                return h
         op = self._check_op(op, notif)
         lp, rp = self._preps[local_prep], self._preps[remote_prep]
         if lp.peer is not None:
@@ -423,6 +461,70 @@ class HostBackend(Backend):
         except RuntimeError:  # the peer's worker was shut down by remove_remote in between
             job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
         return XferHandle(h)
+
+    def _copy_here(self, op: Op, local_prep, local_idx, remote_prep, remote_idx) -> XferHandle | None:
+        """A small same-host request between host memory, done in one call of
+        the copy engine (index checks, copy, epoch and liveness guards) on
+        the caller's thread, settled before it returns; ``None`` when the
+        general path must take it (remote rows outside mapped segments,
+        device memory, a busy lane, a stale epoch, a large request, a bad
+        argument: that path then raises the typed error)."""
+        try:
+            lp, rp = self._preps.get(local_prep), self._preps.get(remote_prep)
+        except TypeError:  # unhashable: not a handle
+            return None
+        if lp is None or rp is None or lp.addrs is None or rp.addrs is None or lp.peer is not None:
+            return None
+        li = local_idx if type(local_idx) is np.ndarray and local_idx.dtype == _I64 else \
+            as_index(local_idx, len(lp.addrs), "local_idx")
+        ri = remote_idx if type(remote_idx) is np.ndarray and remote_idx.dtype == _I64 else \
+            as_index(remote_idx, len(rp.addrs), "remote_idx")
+        ln, rn = lp.lengths, rp.lengths
+        if type(ln) is int and type(rn) is int and ln == rn:
+            checked = None  # every row of both tables has one length: pairs match
+        else:
+            ln, rn = lp.descs.lengths, rp.descs.lengths
+            checked = rn if op is Op.READ else ln
+        peer = rp.owner
+        lane = self._local if peer is None else peer.lane
+        if not lane.enter():
+            return None  # queued work first: jobs on a lane stay in order
+        try:  # holding the lane: the peer's mappings, epoch page and pidfd stay as they are
+            if peer is None:
+                epoch, seen, pidfd = 0, 0, -1
+            elif (peer.gen != rp.gen or not peer.same_host or peer.failed is not None
+                    or self._peers.get(peer.name) is not peer):
+                return None
+            else:
+                epoch, seen = peer.epoch.address, peer.epoch.seen
+                pidfd = -1 if peer._pidfd is None else peer._pidfd
+            if op is Op.READ:
+                got = memcopy.copy_indexed(lp.addrs, li, rp.addrs, ri, ln, checked, self.inline_bytes,
+                                           epoch, seen, pidfd)
+            else:
+                got = memcopy.copy_indexed(rp.addrs, ri, lp.addrs, li, rn, checked, self.inline_bytes,
+                                           epoch, seen, pidfd)
+        except (IndexError, ValueError, TypeError, OverflowError):
+            return None  # the general path checks again and names the problem
+        finally:
+            lane.leave()
+        if got >= 0 and (peer is None or pidfd >= 0 or peer.alive()):
+            job = _DONE
+        elif got == memcopy.STALE or got == memcopy.TOO_BIG:
+            return None  # nothing copied: the owner's server judges a stale request; a large one runs on the worker
+        else:
+            job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
+            if got == memcopy.STALE_AFTER:
+                cause: TransferError = RemoteRejected(f"peer {peer.name!r} deregistered memory during "
+                                                      f"{op.value}; re-add its metadata and retry")
+            else:
+                cause = PeerDisconnected(f"peer {peer.name!r} (pid {peer.md.pid}) died during {op.value}")
+                peer.failed = PeerDisconnected(f"peer {peer.name!r} is gone ({cause}); "
+                                               "re-add its metadata to try again")
+            job.state = XferState.err(cause)
+        h = self._next_id()
+        self._xfers[h] = job
+        return h
 
     def _inline_ok(self, job: _Job) -> bool:
         """A small copy between host memory that never touches the network."""
@@ -445,7 +547,7 @@ class HostBackend(Backend):
     def release(self, handle: XferHandle | PrepHandle) -> None:
         self._check_open()
         job = take_handle(self._preps, self._xfers, handle)
-        if job is None:
+        if job is None or job is _DONE:
             return
         job.finish(XferState.err(TransferError("released before completion")))
         lane = job.peer.lane if job.peer else self._local
