@@ -536,7 +536,8 @@ class HostBackend(Backend):
         return p is None or (p.same_host and not p.epoch.stale and (p.cma_ok or job.rmapped is not None))
 
     def check_state(self, handle: XferHandle) -> XferState:
-        self._check_open()
+        if self._closed:
+            self._check_open()
         return self._xfers[handle].state
 
     def wait(self, handle: XferHandle, timeout: float) -> XferState:
@@ -545,7 +546,13 @@ class HostBackend(Backend):
         return self._xfers[handle].wait(timeout)
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
-        self._check_open()
+        if self._closed:
+            self._check_open()
+        try:  # the common case first: a transfer settled inline
+            if self._xfers.get(handle) is _DONE and self._xfers.pop(handle, None) is _DONE:
+                return
+        except TypeError:
+            pass  # unhashable: take_handle names the problem
         job = take_handle(self._preps, self._xfers, handle)
         if job is None or job is _DONE:
             return
