@@ -73,7 +73,7 @@ class _Job:
     when someone waits on a job still in flight."""
 
     __slots__ = ("op", "lrows", "lkind", "rrows", "rkind", "notif", "peer", "rmapped", "state", "future", "event",
-                 "nbytes")
+                 "nbytes", "indexed")
 
     def __init__(self, op: Op, lrows: np.ndarray, lkind: MemKind, rrows: np.ndarray, rkind: MemKind,
                  notif: bytes | None, peer: "_Peer | None", rmapped: np.ndarray | None = None):
@@ -81,6 +81,7 @@ class _Job:
         self.notif, self.peer = notif, peer
         self.rmapped = rmapped  # remote rows, mapped into our address space (shm path)
         self.state = XferState.PROC
+        self.indexed = None  # (lp, li, rp, ri, lengths, checked): queued for the one-call path
         self.future = None
         self.event: threading.Event | None = None
 
@@ -104,6 +105,7 @@ class _Job:
 
 
 _I64 = np.dtype(np.int64)
+_NO_LIMIT = (1 << 64) - 1
 
 
 _DONE = _Job(Op.READ, None, MemKind.DRAM, None, MemKind.DRAM, None, None)
@@ -463,12 +465,13 @@ class HostBackend(Backend):
         return XferHandle(h)
 
     def _copy_here(self, op: Op, local_prep, local_idx, remote_prep, remote_idx) -> XferHandle | None:
-        """A small same-host request between host memory, done in one call of
-        the copy engine (index checks, copy, epoch and liveness guards) on
-        the caller's thread, settled before it returns; ``None`` when the
-        general path must take it (remote rows outside mapped segments,
-        device memory, a busy lane, a stale epoch, a large request, a bad
-        argument: that path then raises the typed error)."""
+        """A same-host request between host memory, as one call of the copy
+        engine (index checks, copy, epoch and liveness guards): on the
+        caller's thread and settled before it returns when the lane is idle
+        and it is at most ``inline_bytes``, else checked here and queued for
+        the same call on the lane's worker.  ``None`` when the general path
+        must take it (remote rows outside mapped segments, device memory, a
+        stale epoch, a bad argument: that path then raises the typed error)."""
         try:
             lp, rp = self._preps.get(local_prep), self._preps.get(remote_prep)
         except TypeError:  # unhashable: not a handle
@@ -487,44 +490,92 @@ class HostBackend(Backend):
             checked = rn if op is Op.READ else ln
         peer = rp.owner
         lane = self._local if peer is None else peer.lane
-        if not lane.enter():
-            return None  # queued work first: jobs on a lane stay in order
-        try:  # holding the lane: the peer's mappings, epoch page and pidfd stay as they are
-            if peer is None:
-                epoch, seen, pidfd = 0, 0, -1
-            elif (peer.gen != rp.gen or not peer.same_host or peer.failed is not None
-                    or self._peers.get(peer.name) is not peer):
+        job = None
+        if lane.enter():
+            try:  # holding the lane: the peer's mappings, epoch page and pidfd stay as they are
+                guards = self._guards(peer, rp)
+                if guards is None:
+                    return None
+                try:
+                    got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), self.inline_bytes, *guards)
+                except (IndexError, ValueError, TypeError, OverflowError):
+                    return None  # the general path checks again and names the problem
+            finally:
+                lane.leave()
+            try:
+                if self._copied(got, op, peer, guards[2]):
+                    job = _DONE
+                elif got == memcopy.STALE:
+                    return None  # nothing copied: the owner's server judges a stale request
+            except TransferError as e:
+                job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
+                job.state = XferState.err(e)
+        else:  # queued work first (jobs on a lane stay in order): check the request now, copy on the worker
+            try:
+                got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), 0, 0, 0, -1)
+            except (IndexError, ValueError, TypeError, OverflowError):
                 return None
-            else:
-                epoch, seen = peer.epoch.address, peer.epoch.seen
-                pidfd = -1 if peer._pidfd is None else peer._pidfd
-            if op is Op.READ:
-                got = memcopy.copy_indexed(lp.addrs, li, rp.addrs, ri, ln, checked, self.inline_bytes,
-                                           epoch, seen, pidfd)
-            else:
-                got = memcopy.copy_indexed(rp.addrs, ri, lp.addrs, li, rn, checked, self.inline_bytes,
-                                           epoch, seen, pidfd)
-        except (IndexError, ValueError, TypeError, OverflowError):
-            return None  # the general path checks again and names the problem
-        finally:
-            lane.leave()
-        if got >= 0 and (peer is None or pidfd >= 0 or peer.alive()):
-            job = _DONE
-        elif got == memcopy.STALE or got == memcopy.TOO_BIG:
-            return None  # nothing copied: the owner's server judges a stale request; a large one runs on the worker
-        else:
+            job = _DONE if got == 0 else None  # 0: nothing to move; else TOO_BIG, nothing copied
+        if job is None:  # too large to copy here, or the lane is busy: the worker runs the same call
             job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
-            if got == memcopy.STALE_AFTER:
-                cause: TransferError = RemoteRejected(f"peer {peer.name!r} deregistered memory during "
-                                                      f"{op.value}; re-add its metadata and retry")
-            else:
-                cause = PeerDisconnected(f"peer {peer.name!r} (pid {peer.md.pid}) died during {op.value}")
-                peer.failed = PeerDisconnected(f"peer {peer.name!r} is gone ({cause}); "
-                                               "re-add its metadata to try again")
-            job.state = XferState.err(cause)
+            job.indexed = (lp, li, rp, ri, ln, checked)
+            h = self._next_id()
+            self._xfers[h] = job
+            try:
+                job.future = lane.submit(self._run, job)
+            except RuntimeError:  # the peer's worker was shut down by remove_remote in between
+                job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
+            return h
         h = self._next_id()
         self._xfers[h] = job
         return h
+
+    def _guards(self, peer: "_Peer | None", rp: _Prep) -> tuple[int, int, int] | None:
+        """(epoch address, seen value, pidfd) for a one-call copy to ``peer``,
+        or ``None`` if its prepped addresses no longer hold (call holding its lane)."""
+        if peer is None:
+            return 0, 0, -1
+        if peer.gen != rp.gen or not peer.same_host or peer.failed is not None or self._peers.get(peer.name) is not peer:
+            return None
+        return peer.epoch.address, peer.epoch.seen, -1 if peer._pidfd is None else peer._pidfd
+
+    @staticmethod
+    def _copy_indexed(op: Op, req: tuple, max_bytes: int, epoch: int, seen: int, pidfd: int) -> int:
+        lp, li, rp, ri, ln, checked = req
+        if op is Op.READ:
+            return memcopy.copy_indexed(lp.addrs, li, rp.addrs, ri, ln, checked, max_bytes, epoch, seen, pidfd)
+        rn = ln if checked is None else rp.descs.lengths
+        return memcopy.copy_indexed(rp.addrs, ri, lp.addrs, li, rn, checked, max_bytes, epoch, seen, pidfd)
+
+    @staticmethod
+    def _copied(got: int, op: Op, peer: "_Peer | None", pidfd: int) -> bool:
+        """True if ``copy_indexed``'s bytes count; False if it copied nothing
+        (STALE, TOO_BIG); ``TransferError`` if they do not count."""
+        if got >= 0:
+            if peer is None or pidfd >= 0 or peer.alive():
+                return True
+        elif got == memcopy.STALE or got == memcopy.TOO_BIG:
+            return False
+        elif got == memcopy.STALE_AFTER:
+            raise RemoteRejected(f"peer {peer.name!r} deregistered memory during {op.value}; "
+                                 "re-add its metadata and retry")
+        cause = PeerDisconnected(f"peer {peer.name!r} (pid {peer.md.pid}) died during {op.value}")
+        peer.failed = PeerDisconnected(f"peer {peer.name!r} is gone ({cause}); re-add its metadata to try again")
+        raise cause
+
+    def _move_indexed(self, job: _Job) -> bool:
+        """A request queued for the one-call path, on the lane's worker.
+        False, with the job's rows filled in for the general path, when the
+        peer's epoch moved (then its server judges) or its mappings went."""
+        lp, li, rp, ri, _, _ = job.indexed
+        guards = self._guards(job.peer, rp)
+        if guards is not None and self._copied(self._copy_indexed(job.op, job.indexed, _NO_LIMIT, *guards),
+                                               job.op, job.peer, guards[2]):
+            return True
+        job.lrows, job.rrows = lp.descs.array[li], rp.descs.array[ri]
+        if guards is not None and rp.mapped is not None:
+            job.rmapped = rp.mapped[ri]
+        return False
 
     def _inline_ok(self, job: _Job) -> bool:
         """A small copy between host memory that never touches the network."""
@@ -584,6 +635,8 @@ class HostBackend(Backend):
             job.finish(XferState.err(TransferError(f"{job.op.value} failed: {type(e).__name__}: {e}")))
 
     def _move(self, job: _Job) -> None:
+        if job.indexed is not None and self._move_indexed(job):
+            return
         read = job.op is Op.READ
         local = self._host_rows(job.lrows, job.lkind)
         if not read and job.lkind is not MemKind.DRAM:
