@@ -155,12 +155,15 @@ def test_small_same_host_request_is_settled_when_transfer_returns():
         assert (peer.contents()[11] == 77).all()
 
 
+@pytest.mark.parametrize("inline_bytes", [1 << 24, 1], ids=["inline", "worker"])
 @pytest.mark.parametrize("op", ["read_blocks", "write_blocks"])
-def test_shm_request_after_the_owner_deregistered_is_refused_and_moves_nothing(op):
+def test_shm_request_after_the_owner_deregistered_is_refused_and_moves_nothing(op, inline_bytes):
     """The owner's registration epoch moved after we mapped its segments and
-    prepped: the one-call path must not copy; the owner's server refuses."""
+    prepped: the one-call path (on our thread, or queued for the worker when
+    over ``inline_bytes``) must not copy; the owner's server refuses."""
     from kvt.errors import RemoteRejected
-    with peer_process(shared=True) as peer, Agent(name="me", options={"timeout": 5}) as me:
+    with peer_process(shared=True) as peer, \
+            Agent(name="me", options={"timeout": 5, "inline_bytes": inline_bytes}) as me:
         local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8) if op == "read_blocks" else pattern(salt=7)
         me.register_blocks("kv", [local])
         name = me.connect(peer.endpoint, timeout=10)
