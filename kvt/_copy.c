@@ -6,9 +6,16 @@
  * into one memmove.  Large requests may be split by bytes across threads.
  * Callers (kvt/memcopy.py) vouch that every address is mapped: this module
  * checks shapes and types, not memory.
+ *
+ * copy_indexed is a whole same-host request in one call: rows picked by
+ * index from tables prepared once (bounds and pairwise lengths checked
+ * before any byte moves), the copy, and the guards around it (the owner's
+ * registration epoch before and after, its pidfd after), so a request costs
+ * one C call instead of microseconds of Python per step.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -18,15 +25,37 @@
 typedef struct {
     const char *dst, *src, *len;           /* NULL len: every row is ulen bytes */
     Py_ssize_t dstride, sstride, lstride;
+    const char *di, *si;                   /* NULL: row i is entry i; else entry di[i] (lengths follow dst) */
+    Py_ssize_t distride, sistride;
     uint64_t ulen;
     Py_ssize_t n;
 } Plan;
 
 #define AT(base, stride, i) (*(const uint64_t *)((base) + (i) * (stride)))
 
+static inline Py_ssize_t dix(const Plan *p, Py_ssize_t i)
+{
+    return p->di ? (Py_ssize_t)AT(p->di, p->distride, i) : i;
+}
+
+static inline Py_ssize_t six(const Plan *p, Py_ssize_t i)
+{
+    return p->si ? (Py_ssize_t)AT(p->si, p->sistride, i) : i;
+}
+
 static inline uint64_t row_len(const Plan *p, Py_ssize_t i)
 {
-    return p->len ? AT(p->len, p->lstride, i) : p->ulen;
+    return p->len ? AT(p->len, p->lstride, dix(p, i)) : p->ulen;
+}
+
+static inline uint64_t row_dst(const Plan *p, Py_ssize_t i)
+{
+    return AT(p->dst, p->dstride, dix(p, i));
+}
+
+static inline uint64_t row_src(const Plan *p, Py_ssize_t i)
+{
+    return AT(p->src, p->sstride, six(p, i));
 }
 
 /* Every row, merging runs contiguous on both sides. */
@@ -34,10 +63,10 @@ static void copy_all(const Plan *p)
 {
     Py_ssize_t i = 0;
     while (i < p->n) {
-        uint64_t d = AT(p->dst, p->dstride, i), s = AT(p->src, p->sstride, i), l = row_len(p, i);
+        uint64_t d = row_dst(p, i), s = row_src(p, i), l = row_len(p, i);
         for (i++; i < p->n; i++) {
             uint64_t nl = row_len(p, i);
-            if (AT(p->dst, p->dstride, i) != d + l || AT(p->src, p->sstride, i) != s + l)
+            if (row_dst(p, i) != d + l || row_src(p, i) != s + l)
                 break;
             l += nl;
         }
@@ -62,8 +91,8 @@ static void *copy_part(void *arg)
         uint64_t lo = part->begin > off ? part->begin - off : 0;
         uint64_t hi = part->end - off < l ? part->end - off : l;
         if (lo < hi)
-            memmove((void *)(uintptr_t)(AT(p->dst, p->dstride, i) + lo),
-                    (const void *)(uintptr_t)(AT(p->src, p->sstride, i) + lo), (size_t)(hi - lo));
+            memmove((void *)(uintptr_t)(row_dst(p, i) + lo), (const void *)(uintptr_t)(row_src(p, i) + lo),
+                    (size_t)(hi - lo));
         off += l;
     }
     return NULL;
@@ -90,6 +119,16 @@ static void copy_split(const Plan *p, uint64_t total, int threads)
         copy_part(&parts[t]);
     for (int t = 1; t <= started; t++)
         pthread_join(tid[t], NULL);
+}
+
+static void run(const Plan *p, uint64_t total, int threads, uint64_t split)
+{
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    if (threads > 1 && total >= split && total >= (uint64_t)threads * 65536)
+        copy_split(p, total, threads);
+    else
+        copy_all(p);
 }
 
 /* A 1-D buffer of 8-byte unsigned ints (strides allowed). */
@@ -172,13 +211,8 @@ static PyObject *py_copy(PyObject *self, PyObject *args, PyObject *kw)
     } else {
         total = p.ulen * (uint64_t)p.n;
     }
-    if (threads > MAX_THREADS)
-        threads = MAX_THREADS;
     Py_BEGIN_ALLOW_THREADS
-    if (threads > 1 && total >= split && total >= (uint64_t)threads * 65536)
-        copy_split(&p, total, threads);
-    else
-        copy_all(&p);
+    run(&p, total, threads, split);
     Py_END_ALLOW_THREADS
     out = PyLong_FromUnsignedLongLong(total);
 done:
@@ -189,8 +223,148 @@ done:
     return out;
 }
 
+/* A 1-D buffer of 8-byte signed ints (strides allowed): block indices. */
+static int get_index(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    char code = f[strlen(f) - 1];
+    if (view->ndim != 1 || view->itemsize != 8 || !strchr("qln", code) || (f[0] && strchr(">!", f[0]))) {
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D array of native int64 (got ndim %d, format '%s')",
+                     what, view->ndim, f);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Outcomes of copy_indexed other than a byte count (mirrored in kvt/memcopy.py). */
+enum { STALE = -1, TOO_BIG = -2, DEAD = -3, STALE_AFTER = -4 };
+
+static inline uint64_t epoch_now(uintptr_t epoch)
+{
+    return __atomic_load_n((const uint64_t *)epoch, __ATOMIC_ACQUIRE);
+}
+
+/* A pidfd turns readable when its process exits; an error counts as gone (trust nothing then). */
+static int exited(int pidfd)
+{
+    struct pollfd pfd = {pidfd, POLLIN, 0};
+    return poll(&pfd, 1, 0) != 0;
+}
+
+PyDoc_STRVAR(copy_indexed_doc,
+"copy_indexed(dst, di, src, si, lengths, src_lengths=None, threads=1, split_bytes=0,\n"
+"             max_bytes=2**64-1, epoch=0, seen=0, pidfd=-1) -> int\n\n"
+"For every k copy the row di[k] of table (dst, lengths) from row si[k] of\n"
+"table (src, src_lengths): dst, src are 1-D uint64 address tables, di, si\n"
+"1-D int64 indices, lengths a uint64 table or one int (uniform rows).\n"
+"Before any byte moves: IndexError for an index outside its table,\n"
+"ValueError for paired rows of different lengths (src_lengths given).\n"
+"Returns the bytes copied, or without copying -1 if the word at address\n"
+"epoch (when non-zero) differs from seen, -2 if the total exceeds\n"
+"max_bytes; after copying -3 if pidfd (when >= 0) shows its process\n"
+"exited, -4 if the epoch word moved meanwhile.  The GIL is released for\n"
+"the copy.");
+
+static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"dst", "di", "src", "si", "lengths", "src_lengths", "threads", "split_bytes",
+                            "max_bytes", "epoch", "seen", "pidfd", NULL};
+    PyObject *dobj, *diobj, *sobj, *siobj, *lobj, *slobj = Py_None;
+    int threads = 1, pidfd = -1;
+    unsigned long long split = 0, max_bytes = UINT64_MAX, epoch = 0, seen = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|OiKKKKi", names, &dobj, &diobj, &sobj, &siobj, &lobj,
+                                     &slobj, &threads, &split, &max_bytes, &epoch, &seen, &pidfd))
+        return NULL;
+    Py_buffer views[6];
+    int nviews = 0;
+    PyObject *out = NULL;
+    Plan p = {0};
+    Py_ssize_t ndst, nsrc;
+    const char *sl = NULL;
+    Py_ssize_t slstride = 0;
+#define TAKE(fn, obj, what) do { if (fn(obj, &views[nviews], what) < 0) goto done; nviews++; } while (0)
+    TAKE(get_column, dobj, "dst");
+    TAKE(get_index, diobj, "di");
+    TAKE(get_column, sobj, "src");
+    TAKE(get_index, siobj, "si");
+    p.dst = views[0].buf, p.dstride = views[0].strides[0], ndst = views[0].shape[0];
+    p.di = views[1].buf, p.distride = views[1].strides[0], p.n = views[1].shape[0];
+    p.src = views[2].buf, p.sstride = views[2].strides[0], nsrc = views[2].shape[0];
+    p.si = views[3].buf, p.sistride = views[3].strides[0];
+    if (views[3].shape[0] != p.n) {
+        PyErr_Format(PyExc_ValueError, "di selects %zd rows but si %zd; they are paired one to one",
+                     p.n, views[3].shape[0]);
+        goto done;
+    }
+    if (PyLong_Check(lobj)) {
+        p.ulen = PyLong_AsUnsignedLongLong(lobj);
+        if (PyErr_Occurred())
+            goto done;
+    } else {
+        TAKE(get_column, lobj, "lengths");
+        if (views[nviews - 1].shape[0] != ndst) {
+            PyErr_Format(PyExc_ValueError, "lengths has %zd rows, dst %zd", views[nviews - 1].shape[0], ndst);
+            goto done;
+        }
+        p.len = views[nviews - 1].buf, p.lstride = views[nviews - 1].strides[0];
+    }
+    if (slobj != Py_None) {
+        TAKE(get_column, slobj, "src_lengths");
+        if (views[nviews - 1].shape[0] != nsrc) {
+            PyErr_Format(PyExc_ValueError, "src_lengths has %zd rows, src %zd", views[nviews - 1].shape[0], nsrc);
+            goto done;
+        }
+        sl = views[nviews - 1].buf, slstride = views[nviews - 1].strides[0];
+    }
+#undef TAKE
+    /* every check before the first byte moves; as int64 viewed unsigned, a negative index is past any table */
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < p.n; i++) {
+        uint64_t d = AT(p.di, p.distride, i), s = AT(p.si, p.sistride, i);
+        if (d >= (uint64_t)ndst || s >= (uint64_t)nsrc) {
+            PyErr_Format(PyExc_IndexError, "pair %zd: index %lld or %lld outside tables of %zd and %zd rows", i,
+                         (long long)d, (long long)s, ndst, nsrc);
+            goto done;
+        }
+        uint64_t l = row_len(&p, i);
+        if (sl && AT(sl, slstride, s) != l) {
+            PyErr_Format(PyExc_ValueError, "pair %zd: rows of %llu and %llu bytes", i, (unsigned long long)l,
+                         (unsigned long long)AT(sl, slstride, s));
+            goto done;
+        }
+        if (total + l < total) {
+            PyErr_SetString(PyExc_OverflowError, "lengths sum past 2**64");
+            goto done;
+        }
+        total += l;
+    }
+    long long code = (long long)total;
+    if (total > max_bytes) {
+        code = TOO_BIG;
+    } else if (epoch && epoch_now((uintptr_t)epoch) != seen) {
+        code = STALE;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        run(&p, total, threads, split);
+        if (pidfd >= 0 && exited(pidfd))
+            code = DEAD;  /* a dead peer's pages stay mapped; its data no longer counts */
+        else if (epoch && epoch_now((uintptr_t)epoch) != seen)
+            code = STALE_AFTER;  /* it deregistered while we copied */
+        Py_END_ALLOW_THREADS
+    }
+    out = PyLong_FromLongLong(code);
+done:
+    while (nviews)
+        PyBuffer_Release(&views[--nviews]);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_VARARGS | METH_KEYWORDS, copy_doc},
+    {"copy_indexed", (PyCFunction)(void (*)(void))py_copy_indexed, METH_VARARGS | METH_KEYWORDS, copy_indexed_doc},
     {NULL, NULL, 0, NULL},
 };
 

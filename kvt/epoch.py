@@ -22,6 +22,8 @@ import mmap
 import os
 import struct
 
+import numpy as np
+
 __all__ = ["Epoch", "EpochWatch"]
 
 _NAME = "kvt-epoch"
@@ -66,6 +68,9 @@ class EpochWatch:
         finally:
             os.close(f)
         self.seen = seen  #: the value the peer's metadata carried
+        self._word = np.frombuffer(self._mm, np.uint64, 1)
+        #: where the counter is mapped, for native code that checks it around a copy (valid until close)
+        self.address = self._word.ctypes.data
 
     @classmethod
     def open(cls, pid: int, fd: int, seen: int) -> "EpochWatch | None":
@@ -84,4 +89,6 @@ class EpochWatch:
         return _COUNTER.unpack_from(self._mm)[0] != self.seen
 
     def close(self) -> None:
+        self._word = None  # the mapping cannot close while an array views it
+        self.address = 0
         self._mm.close()

@@ -8,6 +8,11 @@ pure-Python fallback (``KVT_NATIVE=0`` forces it; also used when the
 extension did not build) does one ``memmove`` per long run and hands many
 short rows to the kernel in batches (``process_vm_readv`` on our own pid).
 
+``copy_indexed`` is a whole same-host request in one call: rows picked by
+index from address tables prepared once, every index and length checked
+before a byte moves, and the owner's guards (registration epoch, pidfd)
+read around the copy.
+
 Callers vouch that every address is mapped and writable where needed: a
 wrong address crashes the process, as a wrong pointer does in C.
 
@@ -21,10 +26,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import select
 
 import numpy as np
 
-__all__ = ["copy", "gather", "scatter", "coalesce", "process_vm", "ENGINE", "ENGINE_REASON"]
+__all__ = ["copy", "copy_indexed", "gather", "scatter", "coalesce", "process_vm", "ENGINE", "ENGINE_REASON",
+           "STALE", "TOO_BIG", "DEAD", "STALE_AFTER"]
 
 _native = None
 if os.environ.get("KVT_NATIVE", "1") == "0":
@@ -67,6 +74,92 @@ def copy(dst: np.ndarray, src: np.ndarray, lengths) -> None:
                          THREADS, SPLIT_BYTES)
     else:
         _copy_python(dst, src, lengths)
+
+
+#: what ``copy_indexed`` returns instead of a byte count: nothing copied because the
+#: epoch word moved (STALE) or the request exceeds ``max_bytes`` (TOO_BIG); copied,
+#: but the pidfd shows the process exited (DEAD) or the epoch moved meanwhile (STALE_AFTER)
+STALE, TOO_BIG, DEAD, STALE_AFTER = -1, -2, -3, -4
+_NO_LIMIT = (1 << 64) - 1
+
+
+def copy_indexed(dst: np.ndarray, di: np.ndarray, src: np.ndarray, si: np.ndarray, lengths, src_lengths=None,
+                 max_bytes: int = _NO_LIMIT, epoch: int = 0, seen: int = 0, pidfd: int = -1) -> int:
+    """For every ``k``, copy row ``di[k]`` of the table ``(dst, lengths)``
+    from row ``si[k]`` of ``(src, src_lengths)``.
+
+    ``dst``/``src``: 1-D uint64 address tables; ``di``/``si``: 1-D int64
+    indices; ``lengths``: a uint64 table or one int (uniform rows);
+    ``src_lengths``: the source table's lengths, to check pairs against
+    (``None``: the caller knows they match).  Raises ``IndexError`` (an
+    index outside its table) or ``ValueError`` (unequal counts or pair
+    lengths) before any byte moves.  Returns the bytes copied, or one of
+    ``STALE``, ``TOO_BIG`` (nothing copied), ``DEAD``, ``STALE_AFTER``
+    (copied, but the data must not count): ``epoch`` is the address of an
+    8-byte word that must equal ``seen`` before and after the copy (0: no
+    check), ``pidfd`` a pidfd that must not be readable after it (-1: none).
+    """
+    if _native is not None:
+        return _native.copy_indexed(dst, di, src, si, lengths, src_lengths, THREADS, SPLIT_BYTES, max_bytes,
+                                    epoch, seen, pidfd)
+    return _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd)
+
+
+def _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd) -> int:
+    di, si = _index(di, "di"), _index(si, "si")
+    if di.size != si.size:
+        raise ValueError(f"di selects {di.size} rows but si {si.size}; they are paired one to one")
+    dst, src = _u64(dst), _u64(src)
+    # a negative int64 index viewed as uint64 is past any table
+    if di.size and (int(di.view(np.uint64).max()) >= len(dst) or int(si.view(np.uint64).max()) >= len(src)):
+        raise IndexError(f"an index lies outside tables of {len(dst)} and {len(src)} rows")
+    if np.ndim(lengths) == 0:
+        n = np.full(di.size, int(lengths), np.uint64)
+    else:
+        n = _u64(lengths)
+        if len(n) != len(dst):
+            raise ValueError(f"lengths has {len(n)} rows, dst {len(dst)}")
+        n = n[di]
+    if src_lengths is not None:
+        sl = _u64(src_lengths)
+        if len(sl) != len(src):
+            raise ValueError(f"src_lengths has {len(sl)} rows, src {len(src)}")
+        if (sl[si] != n).any():
+            raise ValueError("paired rows differ in length")
+    total = int(n.sum(dtype=np.uint64)) if n.size else 0
+    if n.size and n.sum(dtype=np.float64) >= 2.0 ** 64:
+        raise OverflowError("lengths sum past 2**64")
+    if total > max_bytes:
+        return TOO_BIG
+    if epoch and _word(epoch) != seen:
+        return STALE
+    _copy_python(dst[di], src[si], n)
+    if pidfd >= 0 and _exited(pidfd):
+        return DEAD
+    if epoch and _word(epoch) != seen:
+        return STALE_AFTER
+    return total
+
+
+def _index(a, what: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.ndim != 1 or a.dtype != np.int64:
+        raise TypeError(f"{what} must be a 1-D array of native int64 (got ndim {a.ndim}, dtype {a.dtype})")
+    return a
+
+
+def _word(addr: int) -> int:
+    return ctypes.c_uint64.from_address(addr).value
+
+
+def _exited(pidfd: int) -> bool:
+    """A pidfd turns readable when its process exits; an error counts as gone."""
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    try:
+        return bool(p.poll(0))
+    except OSError:
+        return True
 
 
 def _u64(a) -> np.ndarray:

@@ -39,6 +39,9 @@ def _serve(name, backend, options, shared, kind, q, cmd) -> None:
                 q.put((sender, msg, np.asarray(buf).tobytes()))
             elif op == "notifs":
                 q.put(agent.get_notifs())
+            elif op == "deregister":  # drop the registration, keep the memory (stale-metadata tests)
+                agent.deregister(agent._layout_regs.pop("kv"))
+                q.put(True)
 
 
 class Peer:
@@ -54,6 +57,10 @@ class Peer:
         self._cmd.put("await_notif")
         sender, msg, raw = self._q.get(timeout=60)
         return sender, msg, np.frombuffer(raw, np.uint8).reshape(NUM_BLOCKS, BLOCK)
+
+    def deregister(self) -> None:
+        self._cmd.put("deregister")
+        self._q.get(timeout=30)
 
     def notifs(self) -> dict:
         self._cmd.put("notifs")

@@ -132,6 +132,53 @@ def test_dead_peer_over_tcp_or_shm_never_hangs(transport):
             x.wait(8)
 
 
+def test_small_same_host_request_is_settled_when_transfer_returns():
+    """The one-call path (shared segments, host memory): done before
+    ``transfer`` returns, no worker and no polling; a request over
+    ``inline_bytes`` takes the worker and lands the same bytes."""
+    with peer_process(shared=True) as peer, \
+            Agent(name="me", options={"timeout": 5, "inline_bytes": 2 * BLOCK}) as me:
+        local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8)
+        me.register_blocks("kv", [local])
+        name = me.connect(peer.endpoint, timeout=10)
+        x = me.read_blocks(name, [1, 2], [5, 0])
+        assert x.state().done
+        x.release()
+        assert np.array_equal(local[[1, 2]], pattern()[[5, 0]])
+        with me.read_blocks(name, [3, 4, 6], [7, 8, 9]) as big:  # 3 blocks > inline_bytes
+            big.wait(10)
+        assert np.array_equal(local[[3, 4, 6]], pattern()[[7, 8, 9]])
+        local[10] = 77
+        w = me.write_blocks(name, [10], [11])
+        assert w.state().done
+        w.release()
+        assert (peer.contents()[11] == 77).all()
+
+
+@pytest.mark.parametrize("inline_bytes", [1 << 24, 1], ids=["inline", "worker"])
+@pytest.mark.parametrize("op", ["read_blocks", "write_blocks"])
+def test_shm_request_after_the_owner_deregistered_is_refused_and_moves_nothing(op, inline_bytes):
+    """The owner's registration epoch moved after we mapped its segments and
+    prepped: the one-call path (on our thread, or queued for the worker when
+    over ``inline_bytes``) must not copy; the owner's server refuses."""
+    from kvt.errors import RemoteRejected
+    with peer_process(shared=True) as peer, \
+            Agent(name="me", options={"timeout": 5, "inline_bytes": inline_bytes}) as me:
+        local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8) if op == "read_blocks" else pattern(salt=7)
+        me.register_blocks("kv", [local])
+        name = me.connect(peer.endpoint, timeout=10)
+        with me.read_blocks(name, [0], [1]) as x:  # routes prepped, segments mapped
+            x.wait(10)
+        local[0] = 0 if op == "read_blocks" else local[0]
+        before_local, before_far = local.copy(), peer.contents().copy()
+        peer.deregister()
+        x = getattr(me, op)(name, [2, 3], [4, 5])
+        with pytest.raises(RemoteRejected):
+            x.wait(10)
+        x.release()
+        assert np.array_equal(local, before_local) and np.array_equal(peer.contents(), before_far)
+
+
 # -- bad input, checked before any byte moves (one process, two agents) -----
 
 @pytest.fixture

@@ -113,3 +113,80 @@ def test_gather_then_scatter_round_trips():
     assert np.array_equal(out[5000:8000], src[5000:8000]) and np.array_equal(out[:7], src[:7])
     with pytest.raises(BufferError):
         memcopy.scatter(rows, packed[:-1])
+
+
+# -- copy_indexed: a whole same-host request in one call -----------------------
+
+def _indexed(engine: str, *args, **kw) -> int:
+    if engine == "native":
+        return memcopy._native.copy_indexed(*args, **kw)
+    names = ("src_lengths", "max_bytes", "epoch", "seen", "pidfd")
+    return memcopy._copy_indexed_python(*args[:5], *(kw.get(n, d) for n, d in
+                                                     zip(names, (None, (1 << 64) - 1, 0, 0, -1))))
+
+
+def _tables(nblocks: int = 16, block: int = 256):
+    src, dst = _arena(nblocks * block, 8), np.zeros(nblocks * block, np.uint8)
+    steps = np.arange(nblocks, dtype=np.uint64) * np.uint64(block)
+    return src, dst, np.uint64(src.ctypes.data) + steps, np.uint64(dst.ctypes.data) + steps
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_indexed_rows_come_from_the_tables(engine):
+    src, dst, s, d = _tables()
+    di, si = np.array([0, 1, 2, 9], np.int64), np.array([15, 3, 4, 0], np.int64)
+    assert _indexed(engine, d, di, s, si, 256) == 4 * 256
+    got, want = dst.reshape(16, 256), src.reshape(16, 256)
+    assert np.array_equal(got[di], want[si]) and not got[3:9].any()
+    lengths = np.full(16, 256, np.uint64)  # per-row lengths, checked pairwise against the source's
+    assert _indexed(engine, d, di[:1], s, si[:1], lengths, src_lengths=lengths) == 256
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("bad", ["past-end", "negative", "src-past-end", "pair-lengths", "counts"])
+def test_indexed_refuses_before_any_byte_moves(engine, bad):
+    """A bad request is refused whole: the good pairs before the bad one are not copied either."""
+    src, dst, s, d = _tables()
+    di, si = np.array([0, 1, 2], np.int64), np.array([3, 4, 5], np.int64)
+    lengths, slen = 256, None
+    if bad == "past-end":
+        di[2] = 16
+    elif bad == "negative":
+        di[2] = -1
+    elif bad == "src-past-end":
+        si[2] = 1 << 40
+    elif bad == "pair-lengths":
+        lengths, slen = np.full(16, 256, np.uint64), np.full(16, 256, np.uint64)
+        slen[5] = 128
+    else:
+        si = si[:2]
+    with pytest.raises((IndexError, ValueError)):
+        _indexed(engine, d, di, s, si, lengths, src_lengths=slen)
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_indexed_guards(engine):
+    """A moved epoch word: nothing copied (STALE); too many bytes: nothing
+    copied (TOO_BIG); an exited process's pidfd: copied but DEAD."""
+    src, dst, s, d = _tables()
+    one = np.array([0], np.int64)
+    word = np.array([7], np.uint64)
+    assert _indexed(engine, d, one, s, one, 256, epoch=word.ctypes.data, seen=6) == memcopy.STALE
+    assert _indexed(engine, d, one, s, one, 256, max_bytes=255) == memcopy.TOO_BIG
+    assert not dst.any()
+    assert _indexed(engine, d, one, s, one, 256, epoch=word.ctypes.data, seen=7) == 256
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    fd = os.pidfd_open(pid)
+    try:
+        os.waitpid(pid, 0)
+        assert _indexed(engine, d, one, s, one, 256, pidfd=fd) == memcopy.DEAD
+    finally:
+        os.close(fd)
+    me = os.pidfd_open(os.getpid())
+    try:
+        assert _indexed(engine, d, one, s, one, 256, pidfd=me) == 256
+    finally:
+        os.close(me)

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import zmq
-from kvt import memory
+from kvt import memory, memcopy
 from kvt.auth import Secret
 from kvt.epoch import Epoch, EpochWatch
 from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
@@ -41,7 +41,7 @@ from kvt.errors import (AuthenticationError, ConfigError, HandshakeError, Handsh
                         WireError)
 from kvt.handshake import open_session
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
-                       XferHandle, XferState)
+                       XferHandle, XferState, as_index)
 from kvt.wire import decode, encode
 
 from . import memops
@@ -60,6 +60,12 @@ class _Prep:
     peer: str | None
     descs: Descs
     mapped: np.ndarray | None = None  # our addresses of a peer's rows in its shared segments
+    # for the one-call same-host path (_copy_here): host addresses we can copy at, their lengths
+    # (one int if uniform), and the peer and mapping generation the addresses belong to
+    addrs: np.ndarray | None = None
+    lengths: Any = None
+    owner: "_Peer | None" = None
+    gen: int = 0
 
 
 _settle = threading.Lock()  # guards every job's state and waiter: held for a few instructions only
@@ -71,7 +77,7 @@ class _Job:
     when someone waits on a job still in flight."""
 
     __slots__ = ("op", "lrows", "lkind", "rrows", "rkind", "notif", "peer", "rmapped", "state", "future", "event",
-                 "nbytes")
+                 "nbytes", "indexed")
 
     def __init__(self, op: Op, lrows: np.ndarray, lkind: MemKind, rrows: np.ndarray, rkind: MemKind,
                  notif: bytes | None, peer: "_Peer | None", rmapped: np.ndarray | None = None):
@@ -79,6 +85,7 @@ class _Job:
         self.notif, self.peer = notif, peer
         self.rmapped = rmapped  # remote rows, mapped into our address space (shm path)
         self.state = XferState.PROC
+        self.indexed = None  # (lp, li, rp, ri, lengths, checked): queued for the one-call path
         self.future = None
         self.event: threading.Event | None = None
 
@@ -99,6 +106,14 @@ class _Job:
             event = self.event
         event.wait(timeout)
         return self.state
+
+
+_I64 = np.dtype(np.int64)
+_NO_LIMIT = (1 << 64) - 1
+
+
+_DONE = _Job(Op.READ, None, MemKind.DRAM, None, MemKind.DRAM, None, None)
+_DONE.state = XferState.DONE  # the record of every transfer settled inline: nothing to keep per transfer
 
 
 class _Lane:
@@ -138,6 +153,17 @@ class _Lane:
             return True
         return False
 
+    def enter(self) -> bool:
+        """Claim the idle lane for work on the caller's thread (then ``leave``)."""
+        with self._lock:
+            if self._busy:
+                return False
+            self._busy += 1
+            return True
+
+    def leave(self) -> None:
+        self._done()
+
     def run_inline(self, fn, *args) -> bool:
         """Run ``fn`` here and now if the lane is idle; False if it is not."""
         with self._lock:
@@ -165,6 +191,7 @@ class _Peer:
         self.streams = True                # False once the peer's server turned streams down (an older kvt)
         self._pidfd: int | None = None
         self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
+        self.gen = 0  # bumped when the mappings go: preps holding their addresses are then void
         self.epoch: EpochWatch | None = None
         self.update(md, transport)
 
@@ -263,6 +290,7 @@ class _Peer:
         self._sock, self.session = None, None
 
     def close(self) -> None:
+        self.gen += 1
         self._watch(None)
         if self.epoch is not None:
             self.epoch.close()
@@ -439,14 +467,26 @@ class HostBackend(Backend):
             descs.check_within(self._peer(peer).regions.get(descs.kind, Descs.empty(descs.kind)),
                                f"descriptors of peer {peer!r}")
         # translate once here, so the shm path costs no lookup per transfer
-        mapped = self._peer(peer).mapped(descs.array) if peer is not None and descs.kind is MemKind.DRAM else None
+        owner = None if peer is None else self._peer(peer)
+        mapped = owner.mapped(descs.array) if owner is not None and descs.kind is MemKind.DRAM else None
+        p = _Prep(peer, descs, mapped)
+        if descs.kind is MemKind.DRAM and (owner is None or mapped is not None):
+            p.addrs = np.ascontiguousarray(descs.addrs if owner is None else mapped, np.uint64)
+            uniform = descs.uniform_length
+            p.lengths = uniform if uniform is not None else np.ascontiguousarray(descs.lengths)
+            p.owner, p.gen = owner, 0 if owner is None else owner.gen
         h = self._next_id()
-        self._preps[h] = _Prep(peer, descs, mapped)
+        self._preps[h] = p
         return PrepHandle(h)
 
     def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
-        self._check_open()
+        if self._closed:
+            self._check_open()
+        if notif is None and type(op) is Op:
+            h = self._copy_here(op, local_prep, local_idx, remote_prep, remote_idx)
+            if h is not None:
+                return h
         op = self._check_op(op, notif)
         lp, rp = self._preps[local_prep], self._preps[remote_prep]
         if lp.peer is not None:
@@ -468,6 +508,119 @@ class HostBackend(Backend):
             job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
         return XferHandle(h)
 
+    def _copy_here(self, op: Op, local_prep, local_idx, remote_prep, remote_idx) -> XferHandle | None:
+        """A same-host request between host memory, as one call of the copy
+        engine (index checks, copy, epoch and liveness guards): on the
+        caller's thread and settled before it returns when the lane is idle
+        and it is at most ``inline_bytes``, else checked here and queued for
+        the same call on the lane's worker.  ``None`` when the general path
+        must take it (remote rows outside mapped segments, device memory, a
+        stale epoch, a bad argument: that path then raises the typed error)."""
+        try:
+            lp, rp = self._preps.get(local_prep), self._preps.get(remote_prep)
+        except TypeError:  # unhashable: not a handle
+            return None
+        if lp is None or rp is None or lp.addrs is None or rp.addrs is None or lp.peer is not None:
+            return None
+        li = local_idx if type(local_idx) is np.ndarray and local_idx.dtype == _I64 else \
+            as_index(local_idx, len(lp.addrs), "local_idx")
+        ri = remote_idx if type(remote_idx) is np.ndarray and remote_idx.dtype == _I64 else \
+            as_index(remote_idx, len(rp.addrs), "remote_idx")
+        ln, rn = lp.lengths, rp.lengths
+        if type(ln) is int and type(rn) is int and ln == rn:
+            checked = None  # every row of both tables has one length: pairs match
+        else:
+            ln, rn = lp.descs.lengths, rp.descs.lengths
+            checked = rn if op is Op.READ else ln
+        peer = rp.owner
+        lane = self._local if peer is None else peer.lane
+        job = None
+        if lane.enter():
+            try:  # holding the lane: the peer's mappings, epoch page and pidfd stay as they are
+                guards = self._guards(peer, rp)
+                if guards is None:
+                    return None
+                try:
+                    got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), self.inline_bytes, *guards)
+                except (IndexError, ValueError, TypeError, OverflowError):
+                    return None  # the general path checks again and names the problem
+            finally:
+                lane.leave()
+            try:
+                if self._copied(got, op, peer, guards[2]):
+                    job = _DONE
+                elif got == memcopy.STALE:
+                    return None  # nothing copied: the owner's server judges a stale request
+            except TransferError as e:
+                job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
+                job.state = XferState.err(e)
+        else:  # queued work first (jobs on a lane stay in order): check the request now, copy on the worker
+            try:
+                got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), 0, 0, 0, -1)
+            except (IndexError, ValueError, TypeError, OverflowError):
+                return None
+            job = _DONE if got == 0 else None  # 0: nothing to move; else TOO_BIG, nothing copied
+        if job is None:  # too large to copy here, or the lane is busy: the worker runs the same call
+            job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
+            job.indexed = (lp, li, rp, ri, ln, checked)
+            h = self._next_id()
+            self._xfers[h] = job
+            try:
+                job.future = lane.submit(self._run, job)
+            except RuntimeError:  # the peer's worker was shut down by remove_remote in between
+                job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
+            return h
+        h = self._next_id()
+        self._xfers[h] = job
+        return h
+
+    def _guards(self, peer: "_Peer | None", rp: _Prep) -> tuple[int, int, int] | None:
+        """(epoch address, seen value, pidfd) for a one-call copy to ``peer``,
+        or ``None`` if its prepped addresses no longer hold (call holding its lane)."""
+        if peer is None:
+            return 0, 0, -1
+        if peer.gen != rp.gen or not peer.same_host or peer.failed is not None or self._peers.get(peer.name) is not peer:
+            return None
+        return peer.epoch.address, peer.epoch.seen, -1 if peer._pidfd is None else peer._pidfd
+
+    @staticmethod
+    def _copy_indexed(op: Op, req: tuple, max_bytes: int, epoch: int, seen: int, pidfd: int) -> int:
+        lp, li, rp, ri, ln, checked = req
+        if op is Op.READ:
+            return memcopy.copy_indexed(lp.addrs, li, rp.addrs, ri, ln, checked, max_bytes, epoch, seen, pidfd)
+        rn = ln if checked is None else rp.descs.lengths
+        return memcopy.copy_indexed(rp.addrs, ri, lp.addrs, li, rn, checked, max_bytes, epoch, seen, pidfd)
+
+    @staticmethod
+    def _copied(got: int, op: Op, peer: "_Peer | None", pidfd: int) -> bool:
+        """True if ``copy_indexed``'s bytes count; False if it copied nothing
+        (STALE, TOO_BIG); ``TransferError`` if they do not count."""
+        if got >= 0:
+            if peer is None or pidfd >= 0 or peer.alive():
+                return True
+        elif got == memcopy.STALE or got == memcopy.TOO_BIG:
+            return False
+        elif got == memcopy.STALE_AFTER:
+            raise RemoteRejected(f"peer {peer.name!r} deregistered memory during {op.value}; "
+                                 "re-add its metadata and retry")
+        cause = PeerDisconnected(f"peer {peer.name!r} (pid {peer.md.pid}) died during {op.value}")
+        peer.failed = PeerDisconnected(f"peer {peer.name!r} is gone ({cause}); re-add its metadata to try again")
+        raise cause
+
+    def _move_indexed(self, job: _Job) -> bool:
+        """A request queued for the one-call path, on the lane's worker.
+        False, with the job's rows filled in for the general path, when the
+        peer's epoch moved (then its server judges) or its mappings went."""
+        lp, li, rp, ri, _, _ = job.indexed
+        guards = self._guards(job.peer, rp)
+        if guards is not None and self._copied(self._copy_indexed(job.op, job.indexed, _NO_LIMIT, *guards),
+                                               job.op, job.peer, guards[2]):
+            return True
+        job.lrows, job.rrows = lp.descs.array[li], rp.descs.array[ri]
+        if guards is not None and rp.mapped is not None:
+            job.rmapped = rp.mapped[ri]
+        return False
+
     def _inline_ok(self, job: _Job) -> bool:
         """A small copy between host memory that never touches the network."""
         if job.lkind is not MemKind.DRAM or job.rkind is not MemKind.DRAM:
@@ -478,7 +631,8 @@ class HostBackend(Backend):
         return p is None or (p.same_host and not p.epoch.stale and (p.cma_ok or job.rmapped is not None))
 
     def check_state(self, handle: XferHandle) -> XferState:
-        self._check_open()
+        if self._closed:
+            self._check_open()
         return self._xfers[handle].state
 
     def wait(self, handle: XferHandle, timeout: float) -> XferState:
@@ -487,9 +641,15 @@ class HostBackend(Backend):
         return self._xfers[handle].wait(timeout)
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
-        self._check_open()
+        if self._closed:
+            self._check_open()
+        try:  # the common case first: a transfer settled inline
+            if self._xfers.get(handle) is _DONE and self._xfers.pop(handle, None) is _DONE:
+                return
+        except TypeError:
+            pass  # unhashable: take_handle names the problem
         job = take_handle(self._preps, self._xfers, handle)
-        if job is None:
+        if job is None or job is _DONE:
             return
         job.finish(XferState.err(TransferError("released before completion")))
         lane = job.peer.lane if job.peer else self._local
@@ -519,6 +679,8 @@ class HostBackend(Backend):
             job.finish(XferState.err(TransferError(f"{job.op.value} failed: {type(e).__name__}: {e}")))
 
     def _move(self, job: _Job) -> None:
+        if job.indexed is not None and self._move_indexed(job):
+            return
         read = job.op is Op.READ
         local = self._host_rows(job.lrows, job.lkind)
         if not read and job.lkind is not MemKind.DRAM:
