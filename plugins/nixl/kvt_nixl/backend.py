@@ -125,6 +125,9 @@ class NixlBackend(Backend):
             agent_name, opts.backends, {b: {k: str(v) for k, v in p.items()} for b, p in opts.backend_params.items()},
             opts.num_threads, opts.progress_thread, {k: str(v) for k, v in opts.ucx_env.items()})
         self._lock = threading.RLock()                   # guards everything but the hot path
+        # NIXL runs in NIXL_THREAD_SYNC_NONE mode (see native.new_agent): kvt serializes its own
+        # calls into NIXL with this lock, held around each call only (never while taking _lock)
+        self._nixl = threading.Lock()
         self._regions = RegionTable()                    # what we registered, by handle and by kind
         self._regs: dict[int, Any] = {}                  # handle -> NIXL's reg list (None: an empty one)
         self._peers: dict[str, dict[MemKind, Descs]] = {}  # name -> the regions it advertised
@@ -153,7 +156,8 @@ class NixlBackend(Backend):
         reg = None
         if len(descs):  # NIXL cannot register an empty list; kvt allows it
             try:
-                reg = self._agent.register_memory(descs.array, descs.kind.value)
+                with self._nixl:
+                    reg = self._agent.register_memory(descs.array, descs.kind.value)
             except Exception as e:
                 raise native.translate(e, f"registering {len(descs)} {descs.kind.value} regions",
                                        InvalidArgument) from e
@@ -169,7 +173,8 @@ class NixlBackend(Backend):
             reg = self._regs.get(handle)
             if reg is not None:
                 try:
-                    self._agent.deregister_memory(reg)
+                    with self._nixl:
+                        self._agent.deregister_memory(reg)
                 except Exception as e:
                     raise native.translate(e, f"deregistering handle {handle}", InvalidArgument) from e
             self._regions.remove(handle)  # InvalidHandle if there is no such registration
@@ -183,7 +188,8 @@ class NixlBackend(Backend):
     def local_metadata(self) -> bytes:
         self._check_open()
         try:
-            blob = self._agent.get_agent_metadata()
+            with self._nixl:
+                blob = self._agent.get_agent_metadata()
         except Exception as e:
             raise native.translate(e, "reading our NIXL metadata", TransferError) from e
         return pack(self.agent_name, blob, self._regions.by_kind(), self._epoch)
@@ -192,7 +198,8 @@ class NixlBackend(Backend):
         self._check_open()
         if self._own_blob is None:  # our connection records: the format a peer's must match
             try:
-                self._own_blob = self._agent.get_agent_metadata()
+                with self._nixl:
+                    self._own_blob = self._agent.get_agent_metadata()
             except Exception as e:
                 raise native.translate(e, "reading our NIXL metadata", TransferError) from e
         md, regions = unpack(metadata, self._own_blob)
@@ -205,7 +212,8 @@ class NixlBackend(Backend):
                 self._drop_peer(md.name, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
                                                           "this transfer was meant for the old one"))
             try:
-                name = self._agent.add_remote_agent(md.nixl)
+                with self._nixl:
+                    name = self._agent.add_remote_agent(md.nixl)
             except Exception as e:
                 # undecodable is a WireError; decodable but unreachable (no UCX transport in
                 # common, e.g. UCX_TLS differs) cannot be paired with us
@@ -216,7 +224,8 @@ class NixlBackend(Backend):
                 if md.name not in self._peers:
                     for n in {name, md.name}:
                         try:
-                            self._agent.remove_remote_agent(n)
+                            with self._nixl:
+                                self._agent.remove_remote_agent(n)
                         except Exception:  # noqa: BLE001 - not loaded under that name
                             pass
                 raise WireError(f"metadata says agent {md.name!r} but its NIXL part belongs to {name!r}")
@@ -249,7 +258,8 @@ class NixlBackend(Backend):
                         x.state = XferState.err(cause)
                         self._free_xfer(x, wait=False)
             self._retire(lambda p: p.peer == peer)
-            self._agent.remove_remote_agent(peer)  # returns a status; nothing to undo either way
+            with self._nixl:
+                self._agent.remove_remote_agent(peer)  # returns a status; nothing to undo either way
 
     # -- prep -----------------------------------------------------------------
 
@@ -289,7 +299,8 @@ class NixlBackend(Backend):
         if not len(descs):
             return None  # NIXL cannot prep an empty list; transfers on it move nothing
         try:
-            return self._agent.prep_xfer_dlist(agent, descs.array, descs.kind.value)
+            with self._nixl:
+                return self._agent.prep_xfer_dlist(agent, descs.array, descs.kind.value)
         except Exception as e:
             raise native.translate(e, f"prepping {len(descs)} descriptors for {agent}", InvalidDescriptor) from e
 
@@ -316,7 +327,8 @@ class NixlBackend(Backend):
         p.retire()
         for h in p.old:
             try:
-                self._agent.release_dlist_handle(h)
+                with self._nixl:
+                    self._agent.release_dlist_handle(h)
             except Exception as e:  # nothing the caller can do; NIXL frees it at close
                 log.warning("NIXL would not release a prepped list: %s", native.status_name(e))
         p.old.clear()
@@ -357,15 +369,23 @@ class NixlBackend(Backend):
                 li, ri = _rows(local_idx, lp, "local_idx"), _rows(remote_idx, rp, "remote_idx")
         except AttributeError:  # None, lists
             li, ri = _rows(local_idx, lp, "local_idx"), _rows(remote_idx, rp, "remote_idx")
-        try:
-            xh = self._make(self._read if op is _READ else self._write, lside._handle, li, rside._handle, ri, notif or b"", [], False)
-        except Exception as e:
-            return self._refused(e, op, lp, li, rp, ri, notif)
-        try:
-            s = self._post(xh, b"")
-        except Exception as e:  # e.g. the peer is already gone
+        perr = None
+        with self._nixl:  # one hold for both calls (see __init__)
+            try:
+                xh = self._make(self._read if op is _READ else self._write, lside._handle, li, rside._handle, ri,
+                                notif or b"", [], False)
+            except Exception as e:
+                xh, perr = None, e
+            else:
+                try:
+                    s = self._post(xh, b"")
+                except Exception as e:  # e.g. the peer is already gone
+                    perr = e
+        if xh is None:
+            return self._refused(perr, op, lp, li, rp, ri, notif)
+        if perr is not None:
             x = _Xfer(xh, rp.peer, XferState.err(native.translate(
-                e, f"posting a {op.value} to {rp.peer or 'this agent'}", TransferError)))
+                perr, f"posting a {op.value} to {rp.peer or 'this agent'}", TransferError)))
         else:
             if s == self._ok:  # small or same-host (cma) copies finish within the post:
                 x = xh         # NIXL's int handle alone is the cheapest record of that
@@ -411,7 +431,8 @@ class NixlBackend(Backend):
     def _poll(self, x: _Xfer) -> None:
         """Ask NIXL once; enforce the deadline NIXL does not have."""
         try:
-            s = self._status(x.handle)
+            with self._nixl:
+                s = self._status(x.handle)
         except Exception as e:
             x.state = XferState.err(native.translate(e, f"transfer with {x.peer or 'this agent'}", TransferError))
             return
@@ -436,7 +457,8 @@ class NixlBackend(Backend):
                 self._free_prep(p)
         elif x.__class__ is not _Xfer:  # finished within its post
             try:
-                self._free(x)
+                with self._nixl:
+                    self._free(x)
             except Exception:  # not expected of a finished transfer; retried at close
                 self._leaked.append(x)
         elif x.handle is not None:
@@ -449,14 +471,16 @@ class NixlBackend(Backend):
         end = time.monotonic() + (self.timeout if wait else 0.0)
         while True:
             try:
-                self._free(x.handle)
+                with self._nixl:
+                    self._free(x.handle)
                 break
             except Exception:
                 if time.monotonic() >= end:
                     self._leaked.append(x.handle)
                     break
             try:
-                self._status(x.handle)  # lets NIXL progress it
+                with self._nixl:
+                    self._status(x.handle)  # lets NIXL progress it
             except Exception:
                 pass
             time.sleep(0.001)
@@ -473,14 +497,16 @@ class NixlBackend(Backend):
 
     def _send_notif(self, peer: str, msg: bytes) -> None:
         try:
-            self._agent.send_notif(peer, bytes(msg))
+            with self._nixl:
+                self._agent.send_notif(peer, bytes(msg))
         except Exception as e:
             raise native.translate(e, f"notifying {peer!r}", TransferError, {"NIXL_ERR_NOT_FOUND": UnknownPeer}) from e
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()
         try:
-            return self._agent.get_new_notifs()
+            with self._nixl:
+                return self._agent.get_new_notifs()
         except Exception as e:
             raise native.translate(e, "fetching notifications", TransferError) from e
 
@@ -500,18 +526,21 @@ class NixlBackend(Backend):
             for reg in self._regs.values():
                 if reg is not None:
                     try:
-                        self._agent.deregister_memory(reg)
+                        with self._nixl:
+                            self._agent.deregister_memory(reg)
                     except Exception as e:
                         log.warning("NIXL would not deregister memory at close: %s", native.status_name(e))
             for peer in self._peers:
                 try:
-                    self._agent.remove_remote_agent(peer)
+                    with self._nixl:
+                        self._agent.remove_remote_agent(peer)
                 except Exception:
                     pass
             for h in self._leaked:  # last try; the agent's destructor gets the rest
                 if h is not None:
                     try:
-                        self._free(h)
+                        with self._nixl:
+                            self._free(h)
                     except Exception:
                         pass
             self._xfers.clear()
