@@ -85,7 +85,12 @@ class _Peer:
 
     def exited(self) -> bool:
         """Whether the same-host peer process has exited (never, for others)."""
-        return self.pidfd >= 0 and bool(self.poller.poll(0))
+        if self.pidfd < 0:
+            return False
+        try:
+            return bool(self.poller.poll(0))
+        except RuntimeError:  # another thread is polling the same object this instant
+            return bool(select.select([self.pidfd], [], [], 0)[0])
 
 
 @dataclass(frozen=True)
