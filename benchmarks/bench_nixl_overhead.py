@@ -15,8 +15,8 @@ and reports medians:
 * one 4 KiB block, post + poll to DONE (release untimed);  kvt/raw <= 1.2
 * building and prepping descriptor lists of 100,000 blocks (local + remote)
 
-Raw uses nixl_agent's defaults and kvt the nixl backend's (they differ in
-NIXL_THREAD_SYNC_STRICT, which kvt needs to be thread-safe), except that
+Raw uses nixl_agent's defaults and kvt the nixl backend's (both
+NIXL_THREAD_SYNC_NONE; kvt serializes its own NIXL calls with a lock), except that
 NIXL's progress thread is off in all four agents unless --progress-thread.  ``--tls-sweep`` instead times kvt alone under
 several UCX_TLS values and both UCX error-handling modes, next to a memcpy.
 """

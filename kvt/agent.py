@@ -85,6 +85,8 @@ def poll_until(check, timeout: float, what: str):
             time.sleep(min(delay, deadline - now))
 
 
+_PROC = XferState.PROC.status
+
 #: transfer failures that mean the peer may have gone (and may come back as a new process)
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
 _RECOVER_TIMEOUT = 2.0  # seconds spent asking a lost peer for new metadata
@@ -111,18 +113,19 @@ class Transfer:
 
     def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int, descs: int = 0, t0: int | None = None,
                  peer: str | None = None):
+        # built once per request: plain stores, no calls but the clock
+        self._t1 = t1 = perf_counter_ns()
+        self._t0 = t1 if t0 is None else t0
         self._agent, self._backend, self.handle, self.nbytes, self.descs = agent, agent.backend, handle, nbytes, descs
         self.peer = peer
         #: with integrity checks on: proves the landed bytes once DONE (raises IntegrityError)
         self.verify = None
-        self._t1 = perf_counter_ns()
-        self._t0 = self._t1 if t0 is None else t0
         self._t2: int | None = None
         self._released = False
 
     def state(self) -> XferState:
         s = self._backend.check_state(self.handle)
-        if self._t2 is None and not s.pending:
+        if self._t2 is None and s.status is not _PROC:
             self._t2 = perf_counter_ns()
         return s
 
@@ -177,10 +180,10 @@ class _Route:
     """A checked (peer, local layout, remote layout) pairing with both sides
     prepped: what every transfer between them reuses."""
 
-    __slots__ = ("lprep", "rprep", "block_len", "lregions", "rregions")
+    __slots__ = ("lprep", "rprep", "block_len", "nblocks", "lregions", "rregions")
 
     def __init__(self, lprep: PrepHandle, rprep: PrepHandle, mine: BlockLayout, theirs: BlockLayout):
-        self.lprep, self.rprep, self.block_len = lprep, rprep, mine.block_len
+        self.lprep, self.rprep, self.block_len, self.nblocks = lprep, rprep, mine.block_len, mine.num_blocks
         self.lregions = _region_offsets(mine)
         self.rregions = _region_offsets(theirs)
 
@@ -443,6 +446,7 @@ class Agent:
 
     def transfer_blocks(self, op: Op, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
                         notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
+        # The hot path: a few lookups, one backend call, one Transfer.
         t0 = perf_counter_ns()
         if self._closed:
             self._check_open()
@@ -452,14 +456,14 @@ class Agent:
         route = self._routes.get((peer, layout, rname)) or self._route(peer, layout, rname)
         if route.lregions is None:  # one region: block ids are the indices, and the backend checks them
             lidx, ridx = local_ids, remote_ids
-            n = self._nblocks[route.lprep] if local_ids is None else len(local_ids)
+            n = route.nblocks if local_ids is None else len(local_ids)
         else:
             lidx, ridx = self._index(route.lregions, local_ids, route.lprep), self._index(route.rregions, remote_ids, route.rprep)
             n = lidx.size
         if notif is not None and self._notif_seal is not None:
             notif = self._seal(peer, notif)
-        handle = self.backend.transfer(op, route.lprep, lidx, route.rprep, ridx, notif)
-        t = Transfer(self, handle, n * route.block_len, n, t0, peer)
+        t = Transfer(self, self.backend.transfer(op, route.lprep, lidx, route.rprep, ridx, notif),
+                     n * route.block_len, n, t0, peer)
         if self.config.integrity:
             t.verify = lambda: self._verify(Op(op), peer, layout, rname, local_ids, remote_ids)
         return t

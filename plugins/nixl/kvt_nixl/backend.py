@@ -14,9 +14,15 @@ NIXL does not do for us (see docs/backends/nixl.md):
 * every NIXL exception mapped to kvt's error tree.
 
 The hot path (``transfer``, ``check_state``, ``release``) is a few dict and
-attribute lookups around the NIXL calls: int32 index arrays go to NIXL
-untouched, NIXL's own index and length checks run before any byte moves, and
-only when NIXL refuses do we work out the precise kvt error.
+attribute lookups around the NIXL calls, made on NIXL's pybind agent
+(``nixl_agent.agent``) with integer handles: the ``nixl_agent`` wrapper's
+per-call work (a dict lookup of the op, a handle object per transfer, status
+enums turned into strings) costs as much as kvt's own bookkeeping.  int32
+index arrays go to NIXL untouched and a few int64 ids as a list (NIXL
+range-checks both, and refuses a list value too wide for an int, where it
+would silently wrap a wide array); NIXL's own index and length checks run
+before any byte moves, and only when NIXL refuses do we work out the precise
+kvt error.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ log = logging.getLogger(__name__)
 # module constants: enum members and dtypes are slow to look up on a microsecond path
 _PROC, _DONE = XferState.PROC, XferState.DONE
 _READ, _WRITE = Op.READ, Op.WRITE
-_ND, _I32 = np.ndarray, np.dtype(np.int32)
+_ND, _I32, _I64 = np.ndarray, np.dtype(np.int32), np.dtype(np.int64)
+_FEW = 16  # up to this many int64 ids go to NIXL as a list: cheaper than a checked numpy cast
 _NEVER = float("inf")
 _MAX_ROWS = 2**31 - 1  # NIXL indexes descriptors with 32-bit ints
 
@@ -79,8 +86,8 @@ class _Prep:
 
 
 class _Xfer:
-    """A transfer that did not finish within its post: NIXL's handle (None
-    once freed), its peer, when it turns to TransferTimeout, its state."""
+    """A transfer that did not finish within its post: NIXL's handle (an int,
+    None once freed), its peer, when it turns to TransferTimeout, its state."""
 
     __slots__ = ("handle", "peer", "deadline", "state")
 
@@ -118,6 +125,9 @@ class NixlBackend(Backend):
             agent_name, opts.backends, {b: {k: str(v) for k, v in p.items()} for b, p in opts.backend_params.items()},
             opts.num_threads, opts.progress_thread, _ucx_env(opts.ucx_env), opts.progress_delay_us)
         self._lock = threading.RLock()                   # guards everything but the hot path
+        # NIXL runs in NIXL_THREAD_SYNC_NONE mode (see native.new_agent): kvt serializes its own
+        # calls into NIXL with this lock, held around each call only (never while taking _lock)
+        self._nixl = threading.Lock()
         self._regions = RegionTable()                    # what we registered, by handle and by kind
         self._regs: dict[int, Any] = {}                  # handle -> NIXL's reg list (None: an empty one)
         self._peers: dict[str, dict[MemKind, Descs]] = {}  # name -> the regions it advertised
@@ -129,8 +139,13 @@ class NixlBackend(Backend):
                                                          # for a transfer that finished within its post
         self._leaked: list[Any] = []                     # NIXL handles it would not free yet
         self._own_blob: bytes | None = None              # our NIXL metadata, to check peers' against
-        # bound once: attribute lookups show on the microsecond hot path
-        self._make, self._post = self._agent.make_prepped_xfer, self._agent.transfer
+        # NIXL's pybind agent, its verbs bound once: attribute lookups show on the microsecond hot path
+        self._bind = bind = self._agent.agent
+        self._make, self._post, self._status = bind.makeXferReq, bind.postXferReq, bind.getXferStatus
+        self._free = bind.releaseXferReq
+        nb = native.api().nixlBind
+        self._read, self._write = nb.NIXL_READ, nb.NIXL_WRITE
+        self._ok, self._inprog = nb.NIXL_SUCCESS, nb.NIXL_IN_PROG
 
     # -- memory ---------------------------------------------------------------
 
@@ -141,7 +156,8 @@ class NixlBackend(Backend):
         reg = None
         if len(descs):  # NIXL cannot register an empty list; kvt allows it
             try:
-                reg = self._agent.register_memory(descs.array, descs.kind.value)
+                with self._nixl:
+                    reg = self._agent.register_memory(descs.array, descs.kind.value)
             except Exception as e:
                 raise native.translate(e, f"registering {len(descs)} {descs.kind.value} regions",
                                        InvalidArgument) from e
@@ -157,7 +173,8 @@ class NixlBackend(Backend):
             reg = self._regs.get(handle)
             if reg is not None:
                 try:
-                    self._agent.deregister_memory(reg)
+                    with self._nixl:
+                        self._agent.deregister_memory(reg)
                 except Exception as e:
                     raise native.translate(e, f"deregistering handle {handle}", InvalidArgument) from e
             self._regions.remove(handle)  # InvalidHandle if there is no such registration
@@ -171,7 +188,8 @@ class NixlBackend(Backend):
     def local_metadata(self) -> bytes:
         self._check_open()
         try:
-            blob = self._agent.get_agent_metadata()
+            with self._nixl:
+                blob = self._agent.get_agent_metadata()
         except Exception as e:
             raise native.translate(e, "reading our NIXL metadata", TransferError) from e
         return pack(self.agent_name, blob, self._regions.by_kind(), self._epoch)
@@ -180,7 +198,8 @@ class NixlBackend(Backend):
         self._check_open()
         if self._own_blob is None:  # our connection records: the format a peer's must match
             try:
-                self._own_blob = self._agent.get_agent_metadata()
+                with self._nixl:
+                    self._own_blob = self._agent.get_agent_metadata()
             except Exception as e:
                 raise native.translate(e, "reading our NIXL metadata", TransferError) from e
         md, regions = unpack(metadata, self._own_blob)
@@ -193,7 +212,8 @@ class NixlBackend(Backend):
                 self._drop_peer(md.name, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
                                                           "this transfer was meant for the old one"))
             try:
-                name = self._agent.add_remote_agent(md.nixl)
+                with self._nixl:
+                    name = self._agent.add_remote_agent(md.nixl)
             except Exception as e:
                 # undecodable is a WireError; decodable but unreachable (no UCX transport in
                 # common, e.g. UCX_TLS differs) cannot be paired with us
@@ -204,7 +224,8 @@ class NixlBackend(Backend):
                 if md.name not in self._peers:
                     for n in {name, md.name}:
                         try:
-                            self._agent.remove_remote_agent(n)
+                            with self._nixl:
+                                self._agent.remove_remote_agent(n)
                         except Exception:  # noqa: BLE001 - not loaded under that name
                             pass
                 raise WireError(f"metadata says agent {md.name!r} but its NIXL part belongs to {name!r}")
@@ -237,7 +258,8 @@ class NixlBackend(Backend):
                         x.state = XferState.err(cause)
                         self._free_xfer(x, wait=False)
             self._retire(lambda p: p.peer == peer)
-            self._agent.remove_remote_agent(peer)  # returns a status; nothing to undo either way
+            with self._nixl:
+                self._agent.remove_remote_agent(peer)  # returns a status; nothing to undo either way
 
     # -- prep -----------------------------------------------------------------
 
@@ -277,7 +299,8 @@ class NixlBackend(Backend):
         if not len(descs):
             return None  # NIXL cannot prep an empty list; transfers on it move nothing
         try:
-            return self._agent.prep_xfer_dlist(agent, descs.array, descs.kind.value)
+            with self._nixl:
+                return self._agent.prep_xfer_dlist(agent, descs.array, descs.kind.value)
         except Exception as e:
             raise native.translate(e, f"prepping {len(descs)} descriptors for {agent}", InvalidDescriptor) from e
 
@@ -304,7 +327,8 @@ class NixlBackend(Backend):
         p.retire()
         for h in p.old:
             try:
-                self._agent.release_dlist_handle(h)
+                with self._nixl:
+                    self._agent.release_dlist_handle(h)
             except Exception as e:  # nothing the caller can do; NIXL frees it at close
                 log.warning("NIXL would not release a prepped list: %s", native.status_name(e))
         p.old.clear()
@@ -334,27 +358,40 @@ class NixlBackend(Backend):
         lside, rside = lp.side, rp.target
         if lside is None or rside is None:
             lside, rside = self._sides(lp, rp)
-        try:  # int32 arrays go to NIXL as they are
-            fast = local_idx.dtype is _I32 and remote_idx.dtype is _I32
+        try:  # int32 arrays go to NIXL as they are, a few int64 ids as lists (see the module's doc)
+            dl, dr = local_idx.dtype, remote_idx.dtype
+            if dl is _I32 and dr is _I32:
+                li, ri = local_idx, remote_idx
+            elif dl is _I64 and dr is _I64 and local_idx.size <= _FEW and type(local_idx) is _ND \
+                    and type(remote_idx) is _ND and local_idx.ndim == 1 and remote_idx.ndim == 1:
+                li, ri = local_idx.tolist(), remote_idx.tolist()
+            else:
+                li, ri = _rows(local_idx, lp, "local_idx"), _rows(remote_idx, rp, "remote_idx")
         except AttributeError:  # None, lists
-            fast = False
-        if not fast:
-            local_idx, remote_idx = _rows(local_idx, lp, "local_idx"), _rows(remote_idx, rp, "remote_idx")
-        try:  # NIXL's op names as plain str: hashing an Enum member costs a Python call
-            xh = self._make("READ" if op is _READ else "WRITE", lside, local_idx, rside, remote_idx, notif or b"")
-        except Exception as e:
-            return self._refused(e, op, lp, local_idx, rp, remote_idx, notif)
-        try:
-            s = self._post(xh)
-        except Exception as e:  # e.g. the peer is already gone
+            li, ri = _rows(local_idx, lp, "local_idx"), _rows(remote_idx, rp, "remote_idx")
+        perr = None
+        with self._nixl:  # one hold for both calls (see __init__)
+            try:
+                xh = self._make(self._read if op is _READ else self._write, lside._handle, li, rside._handle, ri,
+                                notif or b"", [], False)
+            except Exception as e:
+                xh, perr = None, e
+            else:
+                try:
+                    s = self._post(xh, b"")
+                except Exception as e:  # e.g. the peer is already gone
+                    perr = e
+        if xh is None:
+            return self._refused(perr, op, lp, li, rp, ri, notif)
+        if perr is not None:
             x = _Xfer(xh, rp.peer, XferState.err(native.translate(
-                e, f"posting a {op.value} to {rp.peer or 'this agent'}", TransferError)))
+                perr, f"posting a {op.value} to {rp.peer or 'this agent'}", TransferError)))
         else:
-            if s == "DONE":  # small or same-host (cma) copies finish within the post:
-                x = xh       # NIXL's handle alone is the cheapest record of that
+            if s == self._ok:  # small or same-host (cma) copies finish within the post:
+                x = xh         # NIXL's int handle alone is the cheapest record of that
             else:
                 x = _Xfer(xh, rp.peer)
-                if s == "ERR":
+                if s != self._inprog:
                     self._poll(x)  # NIXL says why when asked
                 else:
                     x.deadline = time.monotonic() + self.timeout
@@ -362,11 +399,13 @@ class NixlBackend(Backend):
         self._xfers[h] = x
         return h  # type: ignore[return-value]  (XferHandle is an int)
 
-    def _refused(self, e: Exception, op: Op, lp: _Prep, li: np.ndarray, rp: _Prep, ri: np.ndarray,
+    def _refused(self, e: Exception, op: Op, lp: _Prep, li: Any, rp: _Prep, ri: Any,
                  notif: bytes | None) -> XferHandle:
         """NIXL would not create the transfer: the precise kvt error when the
         arguments are at fault; a transfer of no rows (which NIXL refuses)
         is DONE at once, its notification still delivered."""
+        if type(li) is list:  # the few-ids path: check them as arrays
+            li, ri = np.asarray(li, np.int64), np.asarray(ri, np.int64)
         self._pair(lp.descs, li, rp.descs, ri)  # raises InvalidArgument naming what is wrong
         if li.size:
             raise native.translate(e, f"creating a {op.value} of {li.size} descriptors", InvalidArgument) from e
@@ -392,13 +431,14 @@ class NixlBackend(Backend):
     def _poll(self, x: _Xfer) -> None:
         """Ask NIXL once; enforce the deadline NIXL does not have."""
         try:
-            s = self._agent.check_xfer_state(x.handle)
+            with self._nixl:
+                s = self._status(x.handle)
         except Exception as e:
             x.state = XferState.err(native.translate(e, f"transfer with {x.peer or 'this agent'}", TransferError))
             return
-        if s == "DONE":
+        if s == self._ok:
             x.state = _DONE
-        elif s == "ERR":
+        elif s != self._inprog:
             x.state = XferState.err(TransferError(f"NIXL reported ERR for a transfer with {x.peer or 'this agent'}"))
         elif time.monotonic() > x.deadline:
             x.state = XferState.err(TransferTimeout(
@@ -417,7 +457,8 @@ class NixlBackend(Backend):
                 self._free_prep(p)
         elif x.__class__ is not _Xfer:  # finished within its post
             try:
-                self._agent.release_xfer_handle(x)
+                with self._nixl:
+                    self._free(x)
             except Exception:  # not expected of a finished transfer; retried at close
                 self._leaked.append(x)
         elif x.handle is not None:
@@ -430,14 +471,16 @@ class NixlBackend(Backend):
         end = time.monotonic() + (self.timeout if wait else 0.0)
         while True:
             try:
-                self._agent.release_xfer_handle(x.handle)
+                with self._nixl:
+                    self._free(x.handle)
                 break
             except Exception:
                 if time.monotonic() >= end:
                     self._leaked.append(x.handle)
                     break
             try:
-                self._agent.check_xfer_state(x.handle)  # lets NIXL progress it
+                with self._nixl:
+                    self._status(x.handle)  # lets NIXL progress it
             except Exception:
                 pass
             time.sleep(0.001)
@@ -454,14 +497,16 @@ class NixlBackend(Backend):
 
     def _send_notif(self, peer: str, msg: bytes) -> None:
         try:
-            self._agent.send_notif(peer, bytes(msg))
+            with self._nixl:
+                self._agent.send_notif(peer, bytes(msg))
         except Exception as e:
             raise native.translate(e, f"notifying {peer!r}", TransferError, {"NIXL_ERR_NOT_FOUND": UnknownPeer}) from e
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()
         try:
-            return self._agent.get_new_notifs()
+            with self._nixl:
+                return self._agent.get_new_notifs()
         except Exception as e:
             raise native.translate(e, "fetching notifications", TransferError) from e
 
@@ -481,18 +526,21 @@ class NixlBackend(Backend):
             for reg in self._regs.values():
                 if reg is not None:
                     try:
-                        self._agent.deregister_memory(reg)
+                        with self._nixl:
+                            self._agent.deregister_memory(reg)
                     except Exception as e:
                         log.warning("NIXL would not deregister memory at close: %s", native.status_name(e))
             for peer in self._peers:
                 try:
-                    self._agent.remove_remote_agent(peer)
+                    with self._nixl:
+                        self._agent.remove_remote_agent(peer)
                 except Exception:
                     pass
             for h in self._leaked:  # last try; the agent's destructor gets the rest
                 if h is not None:
                     try:
-                        self._agent.release_xfer_handle(h)
+                        with self._nixl:
+                            self._free(h)
                     except Exception:
                         pass
             self._xfers.clear()
@@ -503,7 +551,8 @@ class NixlBackend(Backend):
             self._regions.clear()
             self._peers.clear()
             self._leaked.clear()
-            self._agent = self._make = self._post = None  # the last references: NIXL's destructor stops its threads
+            # the last references: NIXL's destructor stops its threads
+            self._agent = self._bind = self._make = self._post = self._status = self._free = None
 
 
 def _ucx_env(given: Mapping[str, Any]) -> dict[str, str]:

@@ -143,12 +143,18 @@ def new_agent(name: str, backends: list[str], params: Mapping[str, Mapping[str, 
     The agent is created without backends and each is then created
     explicitly, so that per-backend init parameters (e.g. UCX's
     ``ucx_error_handling_mode``) reach NIXL; nixl_agent_config only carries
-    a thread count.  Thread-safe (``NIXL_THREAD_SYNC_STRICT``): kvt's
-    callers may post and poll from several threads.  ``progress_delay_us``:
+    a thread count.
+
+    ``NIXL_THREAD_SYNC_NONE``, as ``nixl_agent`` defaults to (and engines
+    use): NIXL's ``STRICT`` mode cost ~4 us per request here (a 4 KiB READ
+    took 11 us instead of 7, docs/performance.md), more than all of kvt.
+    kvt's callers may post and poll from several threads, so the backend
+    serializes its own calls into NIXL with a lock instead (NIXL releases
+    the GIL in some calls, e.g. ``postXferReq``).  ``progress_delay_us``:
     see ``_progress_delay``."""
     mod = api()
     conf = mod.nixl_agent_config(enable_prog_thread=progress_thread, backends=[],
-                                 sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+                                 sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE)
     with temp_env(env):
         try:
             with _progress_delay(mod, progress_delay_us if progress_thread else 0):
