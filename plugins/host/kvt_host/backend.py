@@ -746,8 +746,7 @@ class HostBackend(Backend):
         stream = self._stream(peer, job)
         if stream is not None:
             try:
-                for part in chunks(paired):
-                    stream.move(job.op.value, job.rkind, part[:, [0, 2]], part[:, [1, 2, 3]])
+                stream.move(job.op.value, job.rkind, [(p[:, [0, 2]], p[:, [1, 2, 3]]) for p in chunks(paired)])
             except (PeerDisconnected, TransferTimeout):
                 peer.drop_stream()
                 raise

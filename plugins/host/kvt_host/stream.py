@@ -15,6 +15,7 @@ connection to that peer.  Unknown, reused or late tokens get the connection
 closed.  Then, per request (little-endian)::
 
     initiator -> owner   "kvtS" op:u8 kind:u8 0:u16 rows:u32 | rows x (addr, len, dev):u64 | WRITE: payload
+                         (up to _AHEAD more requests may follow before the first answer is read)
     owner -> initiator   code:u8 0:u8 text_len:u16 | text | READ and code 0: payload
 
 The owner checks the rows exactly as its ZMQ server does (``Server.checked``)
@@ -56,6 +57,7 @@ _TOKEN_TTL = 30.0           # seconds a token may wait for its connection
 _MAX_TOKENS = 256           # tokens outstanding at once
 _MAX_CONNECTIONS = 64       # stream connections an owner serves at once
 _HELLO_TIMEOUT = 5.0        # seconds a new connection has to present its token
+_AHEAD = 2                  # requests an initiator sends before reading the first one's answer
 _DIRECT = 256 << 10         # rows at least this long (on average) move straight from/to memory
 
 
@@ -237,26 +239,37 @@ class Stream:
         except OSError as e:
             raise PeerDisconnected(f"cannot open a data stream to {who}: {e}") from None
 
-    def move(self, op: str, kind: MemKind, local: np.ndarray, rrows: np.ndarray) -> None:
-        """One request: ``local`` (k, 2) host rows here, ``rrows`` (k, 3) rows at the peer."""
-        sock = self._sock
+    def move(self, op: str, kind: MemKind, parts) -> None:
+        """Requests for ``parts``, pairs of ``local`` (k, 2) host rows here and
+        ``rrows`` (k, 3) rows at the peer.  Pipelined: up to ``_AHEAD`` more
+        requests go out before an answer is read, so the stream does not idle
+        between them; every answer is read, so a refused one keeps it in step."""
+        sock, code_of = self._sock, (_OPS[op], _KINDS.index(kind))
+        refused = None
         try:
-            sock.sendall(_HEAD.pack(_MAGIC, _OPS[op], _KINDS.index(kind), 0, len(rrows)) +
-                         np.ascontiguousarray(rrows, np.uint64).tobytes())
-            if op == "WRITE":
-                send_rows(sock, local)
-            code, _, n = _REPLY.unpack(_recv_bytes(sock, _REPLY.size))
-            if code:
-                text = _recv_bytes(sock, n).decode("utf-8", "replace")
-                raise RemoteRejected(f"{self.who} refused {op}: {text}")
-            if op == "READ":
-                recv_rows(sock, local)
+            sent = 0
+            for i, (local, _) in enumerate(parts):
+                while sent < len(parts) and sent <= i + _AHEAD:
+                    out, rrows = parts[sent]
+                    sock.sendall(_HEAD.pack(_MAGIC, *code_of, 0, len(rrows)) +
+                                 np.ascontiguousarray(rrows, np.uint64).tobytes())
+                    if op == "WRITE":
+                        send_rows(sock, out)
+                    sent += 1
+                code, _, n = _REPLY.unpack(_recv_bytes(sock, _REPLY.size))
+                if code:
+                    text = _recv_bytes(sock, n).decode("utf-8", "replace")
+                    refused = refused or RemoteRejected(f"{self.who} refused {op}: {text}")
+                elif op == "READ":
+                    recv_rows(sock, local)
         except socket.timeout:
             self.close()
             raise TransferTimeout(f"{self.who} stopped streaming during {op}") from None
         except (OSError, ConnectionError) as e:
             self.close()
             raise PeerDisconnected(f"{self.who} closed the data stream during {op}: {e}") from None
+        if refused is not None:
+            raise refused
 
     def close(self) -> None:
         self._sock.close()
