@@ -18,10 +18,10 @@ TIMEOUT = 3.0
 
 
 @pytest.mark.timeout(60 + RUNS * 40)
-@pytest.mark.parametrize("backend", ["host", "nixl"])
+@pytest.mark.parametrize("backend", ["host", "nixl", "ucx"])
 def test_peer_killed_mid_read(backend):
-    if backend == "nixl" and importlib.util.find_spec("kvt_nixl") is None:
-        pytest.skip("the nixl plugin is not installed")
+    if backend != "host" and importlib.util.find_spec(f"kvt_{backend}") is None:
+        pytest.skip(f"the {backend} plugin is not installed")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(HERE / "kill9.py"), backend, str(RUNS), str(TIMEOUT)],
                           capture_output=True, text=True, timeout=30 + RUNS * 40, env=env)

@@ -25,7 +25,6 @@ prefix), ``notif_queue`` (notifications held at most, default 4096).
 from __future__ import annotations
 
 import os
-import select
 import sys
 import threading
 import time
@@ -50,6 +49,8 @@ _MODES = ("auto", "peer", "none")
 _MAX_NOTIF = 1 << 20
 _MAX_ADDRESS = 1 << 16  # a UCX worker address is a few hundred bytes
 _MAX_RKEY = 1 << 12
+# same-host requests of at least this many bytes are copied on two lanes (two CPUs) at once
+_SPLIT_BYTES = 2 << 20
 
 
 class UcxMetadata(Message, tag="ucx_rma_md"):
@@ -76,21 +77,6 @@ class _Peer:
     same_host: bool
     epoch: EpochWatch | None = None  # same host: cma ignores remote keys, so we watch its deregistrations
     pidfd: int = -1                  # same host: readable once it exited (our own dup of the C watch's)
-    poller: Any = None               # a poll object on ``pidfd``: a third of select()'s cost per check
-
-    def __post_init__(self) -> None:
-        if self.pidfd >= 0:
-            self.poller = select.poll()
-            self.poller.register(self.pidfd, select.POLLIN)
-
-    def exited(self) -> bool:
-        """Whether the same-host peer process has exited (never, for others)."""
-        if self.pidfd < 0:
-            return False
-        try:
-            return bool(self.poller.poll(0))
-        except RuntimeError:  # another thread is polling the same object this instant
-            return bool(select.select([self.pidfd], [], [], 0)[0])
 
 
 @dataclass(frozen=True)
@@ -167,10 +153,14 @@ class UcxBackend(Backend):
         queue = o.get("notif_queue", 4096)
         if isinstance(queue, bool) or not isinstance(queue, int) or queue < 1:
             raise ConfigError(f"ucx backend option 'notif_queue' must be a positive integer, got {queue!r}")
+        split = o.get("split_bytes", _SPLIT_BYTES if (os.cpu_count() or 1) > 1 else 0)
+        if isinstance(split, bool) or not isinstance(split, int) or split < 0:
+            raise ConfigError(f"ucx backend option 'split_bytes' must be an integer >= 0 (0: never split), "
+                              f"got {split!r}")
         config = _ucx_config(o)
         self._ucp, self._config = native.load(), config
         try:
-            self._worker = self._ucp.Worker(agent_name.encode(), config, _MAX_NOTIF, queue, 64 * _MAX_NOTIF)
+            self._worker = self._ucp.Worker(agent_name.encode(), config, _MAX_NOTIF, queue, 64 * _MAX_NOTIF, split)
             self._address = self._worker.address()
         except self._ucp.Error as e:
             raise ConfigError(f"UCX refused to start with settings {config} (options 'ucx_env'/'ucx') and the "
@@ -403,7 +393,7 @@ class UcxBackend(Backend):
             x = self._xfers[handle]  # raises InvalidHandle
         if x.state.status is not _PROC_STATUS:
             return x.state
-        st = x.native.status()
+        st = x.native.status(x.peer.pidfd)
         if st == native.INPROGRESS:
             now = time.monotonic()
             if now > x.deadline:
@@ -412,13 +402,12 @@ class UcxBackend(Backend):
             elif (err := x.peer.ep.error()) != 0:  # UCX's error handling, or the pid watch, failed the peer
                 self._end(x, XferState.err(native.error_of(err, f"{x.op.value} with {x.peer.md.name!r}")))
         elif st == 0:
+            x.state = _DONE
+        elif st == native.EXITED:
             # a cma copy from a process that exited before the pid watch noticed fails without
             # failing the flush (no peer error mode on one host): a dead peer's DONE does not count
-            if x.peer.exited():
-                x.state = XferState.err(PeerDisconnected(
-                    f"peer {x.peer.md.name!r} (pid {x.peer.md.pid}) exited during {x.op.value}"))
-            else:
-                x.state = _DONE
+            x.state = XferState.err(PeerDisconnected(
+                f"peer {x.peer.md.name!r} (pid {x.peer.md.pid}) exited during {x.op.value}"))
         else:
             x.state = XferState.err(native.error_of(st, f"{x.op.value} with {x.peer.md.name!r}"))
         return x.state

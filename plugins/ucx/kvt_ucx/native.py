@@ -14,9 +14,10 @@ from types import ModuleType
 
 from kvt.errors import BackendUnavailable, PeerDisconnected, RemoteRejected, TransferError, TransferTimeout
 
-__all__ = ["load", "load_error", "error_of", "INPROGRESS"]
+__all__ = ["load", "load_error", "error_of", "INPROGRESS", "EXITED"]
 
 INPROGRESS = 1  # UCS_INPROGRESS
+EXITED = 2  # Xfer.status(pidfd): done, but the same-host peer behind pidfd has exited
 
 
 def _import() -> ModuleType:

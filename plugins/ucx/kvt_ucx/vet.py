@@ -26,6 +26,7 @@ child's start (a Python interpreter and a UCP context) on first use.
 from __future__ import annotations
 
 import json
+import os
 import select
 import struct
 import subprocess
@@ -133,9 +134,13 @@ def _serve(config: dict[str, str]) -> None:
     """The child: one worker; per request, connect, unpack, close, answer."""
     from . import native
 
+    # the answers get the original stdout to themselves: UCX logs to fd 1 (UCX_PROTO_INFO,
+    # UCX_LOG_LEVEL), which would otherwise corrupt them and make every peer look hostile
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     ucp = native.load()
     worker = ucp.Worker(b"kvt-ucx-sandbox", config, 1 << 10, 1, 1 << 10)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    stdin = sys.stdin.buffer
     stdout.write(b"up")
     stdout.flush()
     while (head := stdin.read(4)) and len(head) == 4:

@@ -90,6 +90,97 @@ def test_batch_of_scattered_blocks_and_a_long_run(backend, peer, op):
     _move_and_check(backend, peer, op, ids, ids, seed=3)
 
 
+SPLIT = 64 * 1024  # split_bytes small enough that requests on these 1 MiB buffers run on two lanes
+_SHAPES = {
+    "one-run": lambda: np.arange(NBLK),  # one run: the middle cuts it
+    "scattered": lambda: np.random.default_rng(11).permutation(NBLK)[:200],  # the middle falls between runs
+    "mixed": lambda: np.concatenate([np.random.default_rng(12).permutation(NBLK // 2)[:40],
+                                     NBLK // 2 + np.arange(NBLK // 2)]),
+}
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+@pytest.mark.parametrize("shape", list(_SHAPES))
+def test_split_requests_move_every_byte_and_nothing_else(make_backend, peer, op, shape):
+    """Same-host requests of at least ``split_bytes`` are cut in two: the
+    helper's worker moves the first half while the caller moves the rest.
+    Every byte lands, nothing outside the request is touched."""
+    backend = make_backend(split_bytes=SPLIT)
+    local, name, lp, rp = _setup(backend, peer)
+    assert backend._peers[name].ep.lanes() == 2, "a same-host cma peer gets the second lane"
+    ids = _SHAPES[shape]()
+    remote_ids = np.random.default_rng(13).permutation(NBLK)[:len(ids)] if shape == "scattered" else ids
+    want = pattern(20, NBYTES)
+    if op is Op.READ:
+        peer.fill(20)
+    else:
+        local[:] = want
+    _done(backend, backend.transfer(op, lp, ids, rp, remote_ids))
+    if op is Op.READ:
+        got = _blocks(local)
+        np.testing.assert_array_equal(got[ids], _blocks(want)[remote_ids])
+        assert not got[np.setdiff1d(np.arange(NBLK), ids)].any(), "READ wrote outside the requested blocks"
+    else:
+        far = _blocks(peer.contents()[0])
+        np.testing.assert_array_equal(far[remote_ids], _blocks(want)[ids])
+        assert not far[np.setdiff1d(np.arange(NBLK), remote_ids)].any(), "WRITE touched other blocks"
+
+
+def test_split_write_notifies_after_both_halves(make_backend, peer):
+    backend = make_backend(split_bytes=SPLIT)
+    local, _, lp, rp = _setup(backend, peer)
+    local[:] = pattern(21, NBYTES)
+    ids = np.arange(NBLK)
+    h = backend.transfer(Op.WRITE, lp, ids, rp, ids, notif=b"all-of-it")
+    [(_, msg, snapshot)] = peer.await_notifs(1)
+    assert msg == b"all-of-it"
+    np.testing.assert_array_equal(snapshot, local, "the notification arrived before both halves had landed")
+    _done(backend, h)
+
+
+def test_peer_killed_during_split_reads(make_backend, peer, spawn_peer):
+    """kill -9 while split READs run back to back: every transfer settles (a
+    dead peer's DONE is refused by the pid check), later ones fail, nothing
+    hangs or aborts, and the helper lane then serves another peer."""
+    backend = make_backend(split_bytes=SPLIT)
+    local, _, lp, rp = _setup(backend, peer)
+    ids = np.arange(NBLK)
+    killer = threading.Timer(0.3, peer.kill)
+    killer.start()
+    states, end = [], time.monotonic() + 5
+    try:
+        while time.monotonic() < end:
+            h = backend.transfer(Op.READ, lp, ids, rp, ids)
+            state = settle(backend, h, TIMEOUT + 5)
+            backend.release(h)
+            assert not state.pending, "a split READ never settled"
+            states.append(state)
+            if state.failed:
+                break
+    finally:
+        killer.join()
+    assert states[-1].failed and isinstance(states[-1].cause, TransferError), states[-1]
+    state = settle(backend, backend.transfer(Op.READ, lp, ids, rp, ids), TIMEOUT + 5)
+    assert state.failed, state
+    other = spawn_peer("other")
+    want = other.fill(8)
+    oname = backend.add_remote(other.metadata())
+    orp = backend.prep(oname, Descs.from_blocks(other.main_addr, BLOCK, np.arange(NBLK)))
+    assert backend._peers[oname].ep.lanes() == 2
+    _done(backend, backend.transfer(Op.READ, lp, ids, orp, ids))
+    np.testing.assert_array_equal(local, want)
+
+
+@pytest.mark.parametrize("options", [{"split_bytes": 0}, {"split_bytes": SPLIT, "ucx": TCP_ONLY}],
+                         ids=["disabled", "tcp"])
+def test_no_second_lane_when_disabled_or_without_cma(make_backend, peer, options):
+    """Over messages (tcp) a split would only wait twice: one lane."""
+    backend = make_backend(**options)
+    _, name, lp, rp = _setup(backend, peer)
+    assert backend._peers[name].ep.lanes() == 1
+    _done(backend, backend.transfer(Op.READ, lp, np.arange(NBLK), rp, np.arange(NBLK)))
+
+
 @pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
 def test_many_blocks_over_tcp(make_backend, peer, op):
     """UCX's TCP transport emulates RMA with messages the target's progress
