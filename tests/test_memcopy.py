@@ -142,6 +142,25 @@ def test_indexed_rows_come_from_the_tables(engine):
     assert _indexed(engine, d, di[:1], s, si[:1], lengths, src_lengths=lengths) == 256
 
 
+@pytest.mark.parametrize("threads", [1, 2, memcopy.BACKGROUND_THREADS])
+def test_indexed_split_across_threads_lands_every_byte(threads):
+    """A request over the split size, cut across ``threads`` (the host
+    backend's worker passes ``BACKGROUND_THREADS``, one fewer than the CPUs)."""
+    block = 64 << 10
+    n = memcopy.SPLIT_BYTES // block + 8  # over the split size
+    src, dst, s, d = _tables(n, block)
+    si = np.random.default_rng(3).permutation(n).astype(np.int64)
+    di = np.arange(n, dtype=np.int64)
+    assert memcopy.copy_indexed(d, di, s, si, block, threads=threads) == n * block
+    assert np.array_equal(dst.reshape(n, block), src.reshape(n, block)[si])
+
+
+def test_background_copies_leave_the_posting_thread_a_cpu():
+    assert 1 <= memcopy.BACKGROUND_THREADS <= memcopy.THREADS
+    if (os.cpu_count() or 1) > 1 and memcopy.THREADS > 1:
+        assert memcopy.BACKGROUND_THREADS < len(os.sched_getaffinity(0))
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("bad", ["past-end", "negative", "src-past-end", "pair-lengths", "counts"])
 def test_indexed_refuses_before_any_byte_moves(engine, bad):

@@ -102,7 +102,9 @@ def _print_table(rows: list[registry.BackendStatus], show_missing: bool) -> None
     for name, reason in reasons:
         console.print(Text.assemble((name, "bold"), " is not usable: ", (reason, "red")))
     kind, why = memory.page_policy()
-    console.print(Text.assemble(("copy engine: ", "bold"), f"{memcopy.ENGINE} ({memcopy.ENGINE_REASON})"))
+    console.print(Text.assemble(("copy engine: ", "bold"), f"{memcopy.ENGINE} ({memcopy.ENGINE_REASON}); "
+                                f"{memcopy.THREADS} threads per large request, {memcopy.BACKGROUND_THREADS} "
+                                "off the posting thread"))
     console.print(Text.assemble(("shared segments: ", "bold"), f"{kind} pages ({why})"))
     installed = {s.info.name for s in rows}
     missing = [f"{n} ({d})" for n, d in registry.KNOWN.items() if n not in installed]

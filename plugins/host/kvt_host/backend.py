@@ -483,8 +483,11 @@ class HostBackend(Backend):
                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
         if self._closed:
             self._check_open()
-        if notif is None and type(op) is Op:
-            h = self._copy_here(op, local_prep, local_idx, remote_prep, remote_idx)
+        if type(op) is Op:
+            if notif is not None:
+                op = self._check_op(op, notif)
+                notif = bytes(notif)
+            h = self._copy_here(op, local_prep, local_idx, remote_prep, remote_idx, notif)
             if h is not None:
                 return h
         op = self._check_op(op, notif)
@@ -508,12 +511,14 @@ class HostBackend(Backend):
             job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
         return XferHandle(h)
 
-    def _copy_here(self, op: Op, local_prep, local_idx, remote_prep, remote_idx) -> XferHandle | None:
+    def _copy_here(self, op: Op, local_prep, local_idx, remote_prep, remote_idx,
+                   notif: bytes | None = None) -> XferHandle | None:
         """A same-host request between host memory, as one call of the copy
         engine (index checks, copy, epoch and liveness guards): on the
         caller's thread and settled before it returns when the lane is idle
         and it is at most ``inline_bytes``, else checked here and queued for
-        the same call on the lane's worker.  ``None`` when the general path
+        the same call on the lane's worker.  A notification goes out after
+        the copy, from the lane's worker (which owns the peer's socket).  ``None`` when the general path
         must take it (remote rows outside mapped segments, device memory, a
         stale epoch, a bad argument: that path then raises the typed error)."""
         try:
@@ -561,7 +566,7 @@ class HostBackend(Backend):
                 return None
             job = _DONE if got == 0 else None  # 0: nothing to move; else TOO_BIG, nothing copied
         if job is None:  # too large to copy here, or the lane is busy: the worker runs the same call
-            job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
+            job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, notif, peer)
             job.indexed = (lp, li, rp, ri, ln, checked)
             h = self._next_id()
             self._xfers[h] = job
@@ -570,6 +575,15 @@ class HostBackend(Backend):
             except RuntimeError:  # the peer's worker was shut down by remove_remote in between
                 job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
             return h
+        if job is _DONE and notif is not None:  # the bytes are in place: now the notification
+            if peer is None:
+                self._send_notif(None, notif)
+            else:
+                try:
+                    lane.submit(self._send_notif, peer, notif)
+                except RuntimeError:  # the peer's worker was shut down by remove_remote in between
+                    job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
+                    job.state = XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed"))
         h = self._next_id()
         self._xfers[h] = job
         return h
@@ -584,12 +598,14 @@ class HostBackend(Backend):
         return peer.epoch.address, peer.epoch.seen, -1 if peer._pidfd is None else peer._pidfd
 
     @staticmethod
-    def _copy_indexed(op: Op, req: tuple, max_bytes: int, epoch: int, seen: int, pidfd: int) -> int:
+    def _copy_indexed(op: Op, req: tuple, max_bytes: int, epoch: int, seen: int, pidfd: int,
+                      threads: int = memcopy.THREADS) -> int:
         lp, li, rp, ri, ln, checked = req
         if op is Op.READ:
-            return memcopy.copy_indexed(lp.addrs, li, rp.addrs, ri, ln, checked, max_bytes, epoch, seen, pidfd)
+            return memcopy.copy_indexed(lp.addrs, li, rp.addrs, ri, ln, checked, max_bytes, epoch, seen, pidfd,
+                                        threads)
         rn = ln if checked is None else rp.descs.lengths
-        return memcopy.copy_indexed(rp.addrs, ri, lp.addrs, li, rn, checked, max_bytes, epoch, seen, pidfd)
+        return memcopy.copy_indexed(rp.addrs, ri, lp.addrs, li, rn, checked, max_bytes, epoch, seen, pidfd, threads)
 
     @staticmethod
     def _copied(got: int, op: Op, peer: "_Peer | None", pidfd: int) -> bool:
@@ -613,8 +629,10 @@ class HostBackend(Backend):
         peer's epoch moved (then its server judges) or its mappings went."""
         lp, li, rp, ri, _, _ = job.indexed
         guards = self._guards(job.peer, rp)
-        if guards is not None and self._copied(self._copy_indexed(job.op, job.indexed, _NO_LIMIT, *guards),
-                                               job.op, job.peer, guards[2]):
+        # on the worker, beside the posting thread: one copy thread fewer than inline
+        got = None if guards is None else self._copy_indexed(job.op, job.indexed, _NO_LIMIT, *guards,
+                                                              memcopy.BACKGROUND_THREADS)
+        if got is not None and self._copied(got, job.op, job.peer, guards[2]):
             return True
         job.lrows, job.rrows = lp.descs.array[li], rp.descs.array[ri]
         if guards is not None and rp.mapped is not None:
