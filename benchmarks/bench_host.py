@@ -142,7 +142,9 @@ def main() -> None:
     sock = _socket_gbps(nbytes, args.iters, ctx)
     kind, why = memory.page_policy(nbytes)
     print(f"\n{args.size_mib} MiB, 2 processes, best of {args.iters}; copy engine {memcopy.ENGINE} "
-          f"({memcopy.THREADS} threads at >= {memcopy.SPLIT_BYTES >> 20} MiB); segments: {kind} pages ({why})\n")
+          f"({memcopy.THREADS} threads at >= {memcopy.SPLIT_BYTES >> 20} MiB inline, "
+          f"{memcopy.BACKGROUND_THREADS} on a worker); "
+          f"segments: {kind} pages ({why})\n")
     print("| path | READ GB/s | WRITE GB/s | memcpy private | memcpy seg->private | memcpy private->seg "
           "| socket | READ x same-page memcpy | WRITE x same-page memcpy | READ x socket |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
