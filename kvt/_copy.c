@@ -3,7 +3,8 @@
  * The GIL is released for the whole copy.  Address arrays may be strided
  * (a column of a (n, 2) or (n, 3) row array needs no copy); lengths are an
  * array or one int for uniform blocks.  Runs contiguous on both sides merge
- * into one memmove.  Large requests may be split by bytes across threads.
+ * into one memmove.  Large requests are cut into 1 MiB pieces that threads
+ * claim in turn.
  * Callers (kvt/memcopy.py) vouch that every address is mapped: this module
  * checks shapes and types, not memory.
  *
@@ -75,50 +76,59 @@ static void copy_all(const Plan *p)
     }
 }
 
-typedef struct {
-    const Plan *plan;
-    uint64_t begin, end;  /* byte range of the concatenated rows */
-} Part;
+/* A split request: pieces (merged runs cut at CHUNK bytes) that threads claim
+   one at a time, so a thread that starts late (waking one costs tens of
+   microseconds on a VM) only copies fewer pieces instead of holding up the end. */
+#define CHUNK ((uint64_t)1 << 20)
 
-/* The bytes [begin, end) of the concatenated rows. */
-static void *copy_part(void *arg)
+typedef struct {
+    uint64_t d, s, l;
+} Piece;
+
+typedef struct {
+    const Piece *pieces;
+    size_t n, next; /* next: claimed with an atomic add */
+} Work;
+
+static void *drain(void *arg)
 {
-    const Part *part = arg;
-    const Plan *p = part->plan;
-    uint64_t off = 0;
-    for (Py_ssize_t i = 0; i < p->n && off < part->end; i++) {
-        uint64_t l = row_len(p, i);
-        uint64_t lo = part->begin > off ? part->begin - off : 0;
-        uint64_t hi = part->end - off < l ? part->end - off : l;
-        if (lo < hi)
-            memmove((void *)(uintptr_t)(row_dst(p, i) + lo), (const void *)(uintptr_t)(row_src(p, i) + lo),
-                    (size_t)(hi - lo));
-        off += l;
-    }
+    Work *w = arg;
+    size_t i;
+    while ((i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED)) < w->n)
+        memmove((void *)(uintptr_t)w->pieces[i].d, (const void *)(uintptr_t)w->pieces[i].s, (size_t)w->pieces[i].l);
     return NULL;
 }
 
 static void copy_split(const Plan *p, uint64_t total, int threads)
 {
-    pthread_t tid[MAX_THREADS];
-    Part parts[MAX_THREADS];
-    int started = 0;
-    for (int t = 0; t < threads; t++) {
-        /* page-aligned boundaries: no two threads write one page */
-        parts[t].plan = p;
-        parts[t].begin = t ? parts[t - 1].end : 0;
-        parts[t].end = t == threads - 1 ? total : (total / threads * (t + 1)) & ~(uint64_t)4095;
+    Piece *pc = malloc(sizeof(*pc) * ((size_t)p->n + total / CHUNK + 1));
+    if (pc == NULL) {
+        copy_all(p);
+        return;
     }
+    size_t m = 0;
+    for (Py_ssize_t i = 0; i < p->n;) {
+        uint64_t d = row_dst(p, i), s = row_src(p, i), l = row_len(p, i);
+        for (i++; i < p->n; i++) { /* merge runs contiguous on both sides, as copy_all does */
+            if (row_dst(p, i) != d + l || row_src(p, i) != s + l)
+                break;
+            l += row_len(p, i);
+        }
+        for (uint64_t off = 0; off < l; off += CHUNK)
+            pc[m++] = (Piece){d + off, s + off, l - off < CHUNK ? l - off : CHUNK};
+    }
+    Work w = {pc, m, 0};
+    pthread_t tid[MAX_THREADS];
+    int started = 0;
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tid[t], NULL, copy_part, &parts[t]) != 0)
-            break;
+        if (pthread_create(&tid[t], NULL, drain, &w) != 0)
+            break; /* the threads that did start (and this one) take all the pieces */
         started = t;
     }
-    copy_part(&parts[0]);
-    for (int t = started + 1; t < threads; t++)  /* threads that could not start: do their part here */
-        copy_part(&parts[t]);
+    drain(&w);
     for (int t = 1; t <= started; t++)
         pthread_join(tid[t], NULL);
+    free(pc);
 }
 
 static void run(const Plan *p, uint64_t total, int threads, uint64_t split)

@@ -143,16 +143,31 @@ def test_indexed_rows_come_from_the_tables(engine):
 
 
 @pytest.mark.parametrize("threads", [1, 2, memcopy.BACKGROUND_THREADS])
-def test_indexed_split_across_threads_lands_every_byte(threads):
-    """A request over the split size, cut across ``threads`` (the host
-    backend's worker passes ``BACKGROUND_THREADS``, one fewer than the CPUs)."""
+@pytest.mark.parametrize("shape", ["scattered", "one-run"])
+def test_indexed_split_across_threads_lands_every_byte(threads, shape):
+    """A request over the split size, cut into pieces the ``threads`` claim
+    (the host backend's worker passes ``BACKGROUND_THREADS``, one fewer than
+    the CPUs): scattered blocks, or blocks that merge into one run of many pieces."""
     block = 64 << 10
     n = memcopy.SPLIT_BYTES // block + 8  # over the split size
     src, dst, s, d = _tables(n, block)
-    si = np.random.default_rng(3).permutation(n).astype(np.int64)
     di = np.arange(n, dtype=np.int64)
+    si = np.random.default_rng(3).permutation(n).astype(np.int64) if shape == "scattered" else di
     assert memcopy.copy_indexed(d, di, s, si, block, threads=threads) == n * block
     assert np.array_equal(dst.reshape(n, block), src.reshape(n, block)[si])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_split_copy_of_one_long_odd_row(engine):
+    """One row longer than the split size and no multiple of a page."""
+    nbytes = memcopy.SPLIT_BYTES + (3 << 20) + 123
+    src, dst = _arena(nbytes, 9), np.zeros(nbytes, np.uint8)
+    one = lambda a: np.array([a.ctypes.data], np.uint64)  # noqa: E731
+    if engine == "native":
+        memcopy._native.copy(one(dst), one(src), nbytes, 2, memcopy.SPLIT_BYTES)
+    else:
+        memcopy._copy_python(one(dst), one(src), nbytes)
+    assert np.array_equal(dst, src)
 
 
 def test_background_copies_leave_the_posting_thread_a_cpu():
