@@ -81,6 +81,37 @@ def test_case_ids_pair_contiguous_local_blocks_with_unmergeable_remote_ones(batc
     assert np.array_equal(case.ids().remote, ids.remote)  # every process derives the same ids
 
 
+def test_a_cold_plan_rotates_each_case_over_disjoint_blocks_filling_its_arena():
+    plan = make_plan(True, groups=["sweep"], blocks=[4096, 65536], batches=[1, 4], cold=1 << 20)
+    small, big = Case("sweep", Op.READ, 4096, 1), Case("sweep", Op.READ, 65536, 4)
+    assert plan.rotations(small) == 256 and plan.rotations(big) == 4  # 1 MiB / bytes per iteration
+    assert plan.arena == 1 << 20 and plan.describe()["cold_bytes"] == 1 << 20
+    sets = [big.ids(k) for k in range(plan.rotations(big))]
+    local = np.concatenate([i.local.ravel() for i in sets])
+    remote = np.concatenate([i.remote.ravel() for i in sets])
+    # every rotation its own blocks: together exactly the arena's 16 blocks of 64 KiB, once each
+    assert np.array_equal(np.sort(local), np.arange(16)) and np.array_equal(np.sort(remote), np.arange(16))
+    assert all(np.array_equal(np.diff(i.remote), np.diff(sets[0].remote)) for i in sets)  # same pattern
+    hot = make_plan(True, groups=["sweep"], blocks=[4096, 65536], batches=[1, 4])
+    assert hot.rotations(big) == 1 and hot.arena == 4 * 65536
+    with pytest.raises(InvalidArgument, match="cold"):
+        make_plan(True, cold=-1)
+
+
+def test_measure_on_a_cold_plan_warms_every_rotation_then_cycles_through_them():
+    seen = []
+
+    class Recorder(EngineDouble):
+        def post(self, case, ids, r):
+            seen.append(int(ids.local[r][0]))
+            return super().post(case, ids, r)
+
+    case = Case("sweep", Op.READ, 4096, 2)
+    plan = make_plan(True, budget=1e-9, warmup=1, min_iters=5, cold=3 * 8192)
+    measure(Recorder(), case, plan)
+    assert seen == [0, 2, 4] + [0, 2, 4, 0, 2]  # 3 rotations of 2 blocks: each warmed once, then in turn
+
+
 # -- statistics -----------------------------------------------------------------
 
 def test_summarize_computes_medians_p99_and_bandwidth():
@@ -252,6 +283,19 @@ def test_kvt_bench_quick_on_host_writes_table_json_and_plot(tmp_path, capsys, mo
     assert out_png.read_bytes()[:8] == PNG_MAGIC
     md = out_md.read_text()
     assert "| memcpy GB/s | host GB/s (x memcpy, x raw) |" in md and md.count("\n| scale |") == 2 + 2 * 2  # side by side, then every row
+
+
+def test_kvt_bench_cold_moves_the_bytes_of_every_rotation(tmp_path, capsys):
+    out_json = tmp_path / "out.json"
+    code = cli.main(["bench", "--backend", "host", "--baselines", "memcpy", "--groups", "sweep", "--ops", "READ",
+                     "--block-sizes", "64K", "--batches", "4", "--budget", "0.001", "--min-iters", "2",
+                     "--rounds", "1", "--cold", "1M", "--no-progress", "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "cold over 1M" in text
+    doc = json.loads(out_json.read_text())
+    assert doc["plan"]["cold_bytes"] == 1 << 20 and doc["plan"]["arena_bytes"] == 1 << 20
+    assert [r["engine"] for r in doc["results"] if not r["error"]] == [MEMCPY, "host"]
 
 
 def test_kvt_bench_unknown_backend_is_a_typed_error(capsys):

@@ -12,12 +12,19 @@ Block ids: the initiator's blocks are contiguous, the target's a random
 permutation with no two consecutive ids next to each other, so no backend
 (and not the memcpy baseline either) can merge neighbouring blocks into one
 bigger copy.  Every process derives the same ids from the case alone.
+
+By default every iteration of a case moves the same blocks, so a request
+that fits the last-level cache is measured from cache.  A *cold* plan
+(``Plan.cold``) rotates each case over ``rotations(case)`` disjoint sets
+of blocks, at least ``cold`` bytes per side, so an iteration finds its
+blocks the way an engine finds KV written long ago: in memory.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -25,7 +32,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..types import Op
 
-__all__ = ["Case", "Ids", "Plan", "make_plan", "parse_size", "format_size", "GROUPS"]
+__all__ = ["Case", "Ids", "Plan", "make_plan", "parse_size", "format_size", "cold_default", "GROUPS"]
 
 GROUPS = ("sweep", "inflight", "scale")
 KiB, MiB = 1 << 10, 1 << 20
@@ -61,6 +68,10 @@ class Ids(NamedTuple):
     local: np.ndarray   #: ``(inflight, batch)`` int64, contiguous
     remote: np.ndarray  #: ``(inflight, batch)`` int64, scattered
 
+    def shifted(self, blocks: int) -> "Ids":
+        """The same pattern ``blocks`` further on, on both sides."""
+        return Ids(self.local + blocks, self.remote + blocks) if blocks else self
+
 
 @dataclass(frozen=True)
 class Case:
@@ -82,8 +93,11 @@ class Case:
     def as_dict(self) -> dict:
         return {**asdict(self), "op": self.op.value, "bytes": self.nbytes}
 
-    def ids(self) -> Ids:
-        """The block ids every engine uses for this case (deterministic)."""
+    def ids(self, rotation: int = 0) -> Ids:
+        """The block ids every engine uses for this case (deterministic);
+        ``rotation`` k: the same pattern over the k-th next set of blocks."""
+        if rotation:
+            return self.ids().shifted(rotation * self.batch * self.inflight)
         pool = self.batch * self.inflight
         rng = np.random.default_rng([self.block, self.batch, self.inflight])
         remote = rng.permutation(pool)
@@ -107,12 +121,17 @@ class Plan:
     min_iters: int = 5      #: timed iterations per case, even past the budget
     max_iters: int = 2000   #: timed iterations per case, even within the budget
     timeout: float = 60.0   #: seconds one iteration may take before the case fails
+    cold: int = 0           #: bytes per side each case rotates over (0: the same blocks every iteration)
     meta: dict = field(default_factory=dict)  #: how the plan was built (for the JSON)
+
+    def rotations(self, case: Case) -> int:
+        """How many disjoint sets of blocks ``case``'s iterations cycle through."""
+        return max(1, -(-self.cold // case.nbytes))
 
     @property
     def arena(self) -> int:
-        """Bytes of buffer each side needs: the largest case's pool of blocks."""
-        return max(c.nbytes for c in self.cases)
+        """Bytes of buffer each side needs: the largest case's blocks, times its rotations."""
+        return max(c.nbytes * self.rotations(c) for c in self.cases)
 
     @property
     def block_sizes(self) -> list[int]:
@@ -120,7 +139,8 @@ class Plan:
 
     def describe(self) -> dict:
         return {"budget_s": self.budget, "warmup": self.warmup, "min_iters": self.min_iters,
-                "max_iters": self.max_iters, "timeout_s": self.timeout, "arena_bytes": self.arena,
+                "max_iters": self.max_iters, "timeout_s": self.timeout, "cold_bytes": self.cold,
+                "arena_bytes": self.arena,
                 "cases": len(self.cases), **self.meta}
 
 
@@ -133,6 +153,18 @@ FULL = dict(blocks=[4 * KiB << (2 * i) for i in range(8)],  # 4K, 16K, ... 64M
 # quick: the in-flight and scale rows for the first op only (READ unless --ops says otherwise)
 QUICK = dict(FULL, blocks=[4 * KiB, 64 * KiB, MiB, 16 * MiB], batches=[1, 64, 1024], max_bytes=64 * MiB,
              inflight_shape=(64 * KiB, 16), budget=0.05, warmup=1, min_iters=3, scaling_ops=1)
+
+
+def cold_default() -> int:
+    """What ``--cold`` rotates over when given no size: twice the largest CPU
+    cache (sysfs), or 64 MiB where the cache size cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            sizes.append(parse_size(f.read_text().strip()))
+        except (OSError, InvalidArgument):
+            pass
+    return 2 * max(sizes) if sizes else 64 * MiB
 
 
 def _positive(values: Iterable[int], what: str) -> list[int]:
@@ -148,9 +180,9 @@ def make_plan(quick: bool = False, *, groups: Sequence[str] = GROUPS, ops: Seque
     (``blocks``, ``batches``, ``max_bytes``, ``inflight``, ``inflight_shape``,
     ``scale``, ``scale_block``, ``scaling_ops`` (how many of ``ops`` the
     in-flight and scale groups use), ``budget``, ``warmup``, ``min_iters``) and
-    the ``Plan`` fields ``max_iters`` and ``timeout``; ``None`` keeps the default."""
+    the ``Plan`` fields ``max_iters``, ``timeout`` and ``cold``; ``None`` keeps the default."""
     base = QUICK if quick else FULL
-    unknown = set(overrides) - set(base) - {"max_iters", "timeout"}
+    unknown = set(overrides) - set(base) - {"max_iters", "timeout", "cold"}
     if unknown:
         raise InvalidArgument(f"unknown plan settings {sorted(unknown)}; valid: {sorted(base)}")
     s = {**base, **{k: v for k, v in overrides.items() if v is not None}}
@@ -183,6 +215,8 @@ def make_plan(quick: bool = False, *, groups: Sequence[str] = GROUPS, ops: Seque
             raise InvalidArgument(f"{name} must be a positive number of seconds, got {s[name]}")
     if s["warmup"] < 0 or s["min_iters"] < 1:
         raise InvalidArgument(f"warmup must be >= 0 and min_iters >= 1, got {s['warmup']}, {s['min_iters']}")
-    timing = {k: s[k] for k in ("budget", "warmup", "min_iters", "max_iters", "timeout") if k in s}
+    if s.get("cold", 0) < 0:
+        raise InvalidArgument(f"cold must be a size >= 0 (0: off), got {s['cold']}")
+    timing = {k: s[k] for k in ("budget", "warmup", "min_iters", "max_iters", "timeout", "cold") if k in s}
     meta = {"quick": quick, "groups": list(groups), "ops": [o.value for o in ops], "max_bytes": s["max_bytes"]}
     return Plan(cases=tuple(cases), meta=meta, **timing)

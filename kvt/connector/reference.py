@@ -112,7 +112,7 @@ class RequestResult:
 class Report:
     results: dict[str, RequestResult]
     elapsed: float
-    workers: dict[str, list[dict]]   #: engine id -> per-rank {"outstanding", "stats"}
+    workers: dict[str, list[dict]]   #: engine id -> per-rank {"outstanding", "stats", "timings"}
     leaks: dict[str, Any]            #: everything still held at the end (empty when nothing leaked)
 
     @property
@@ -196,6 +196,12 @@ def _step(worker, caches: list, spec: EngineSpec, rank: int, work: dict) -> dict
 def _worker_main(spec: EngineSpec, rank: int, conn) -> None:
     from .worker import ConnectorWorker
 
+    import torch
+
+    # the toy forward pass is a few indexing ops: one thread does it, and no
+    # OpenMP pool is left spin-waiting after each op on CPUs the other engine's
+    # copies need (both engines share this machine)
+    torch.set_num_threads(1)
     try:
         caches = _caches(spec, rank)
         with ConnectorWorker(spec.connector_config(), rank) as worker:
@@ -204,7 +210,8 @@ def _worker_main(spec: EngineSpec, rank: int, conn) -> None:
             while conn.poll(_REPLY_TIMEOUT * 5):  # no word from the engine for that long: it is gone
                 cmd, work = conn.recv()
                 if cmd == "stop":
-                    conn.send(("ok", {"outstanding": worker.outstanding(), "stats": dict(worker.stats)}))
+                    conn.send(("ok", {"outstanding": worker.outstanding(), "stats": dict(worker.stats),
+                                      "timings": worker.take_timings()}))
                     return
                 conn.send(("ok", _step(worker, layers, spec, rank, work)))
     except BaseException:

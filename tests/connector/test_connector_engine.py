@@ -56,6 +56,10 @@ def test_mixed_lengths_and_many_blocks(backend):
     assert stats(report, "prefill", "released_by_readers") == [with_blocks(requests)]
     assert stats(report, "prefill", "expired") == [0]
     assert stats(report, "decode", "recv_ok") == [with_blocks(requests)]
+    # the worker's timings (what bench_engine_load breaks a load down with): one per read, whole blocks
+    timings = report.workers["decode"][0]["timings"]
+    assert sorted(t[3] for t in timings) == sorted(r.prompt_len // BS for r in requests if r.prompt_len >= BS)
+    assert all(0 <= post <= landed for post, landed, _, _ in timings)
 
 
 def test_prefix_hits_read_only_what_is_missing(backend):
