@@ -4,6 +4,7 @@ same bytes, for scattered, uniform, merging and thread-split batches."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -155,6 +156,26 @@ def test_indexed_split_across_threads_lands_every_byte(threads, shape):
     si = np.random.default_rng(3).permutation(n).astype(np.int64) if shape == "scattered" else di
     assert memcopy.copy_indexed(d, di, s, si, block, threads=threads) == n * block
     assert np.array_equal(dst.reshape(n, block), src.reshape(n, block)[si])
+
+
+def test_split_copies_from_many_threads_at_once_land_every_byte():
+    """Split requests posted from several threads at once (the GIL is
+    released for each copy): each lands whole, none disturbs another."""
+    block, n = 64 << 10, memcopy.SPLIT_BYTES // (64 << 10) + 4
+    jobs = [_tables(n, block) for _ in range(4)]
+    perm = np.random.default_rng(5).permutation(n).astype(np.int64)
+    di = np.arange(n, dtype=np.int64)
+
+    def run(job):
+        src, dst, s, d = job
+        for _ in range(5):
+            dst[:] = 0
+            assert memcopy.copy_indexed(d, di, s, perm, block, threads=3) == n * block
+            assert np.array_equal(dst.reshape(n, block), src.reshape(n, block)[perm])
+
+    with ThreadPoolExecutor(4) as ex:
+        for f in [ex.submit(run, job) for job in jobs]:
+            f.result(timeout=60)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
