@@ -3,8 +3,8 @@
  * The GIL is released for the whole copy.  Address arrays may be strided
  * (a column of a (n, 2) or (n, 3) row array needs no copy); lengths are an
  * array or one int for uniform blocks.  Runs contiguous on both sides merge
- * into one memmove.  Large requests are cut into 1 MiB pieces that threads
- * claim in turn.
+ * into one memmove.  Large requests are cut into 1 MiB pieces that the
+ * caller and parked helper threads claim in turn.
  * Callers (kvt/memcopy.py) vouch that every address is mapped: this module
  * checks shapes and types, not memory.
  *
@@ -78,7 +78,9 @@ static void copy_all(const Plan *p)
 
 /* A split request: pieces (merged runs cut at CHUNK bytes) that threads claim
    one at a time, so a thread that starts late (waking one costs tens of
-   microseconds on a VM) only copies fewer pieces instead of holding up the end. */
+   microseconds on a VM) only copies fewer pieces instead of holding up the end.
+   The helpers are started once and then parked: creating a thread per request
+   cost 60-100 us in an engine process with large mappings. */
 #define CHUNK ((uint64_t)1 << 20)
 
 typedef struct {
@@ -97,6 +99,91 @@ static void *drain(void *arg)
     while ((i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED)) < w->n)
         memmove((void *)(uintptr_t)w->pieces[i].d, (const void *)(uintptr_t)w->pieces[i].s, (size_t)w->pieces[i].l);
     return NULL;
+}
+
+/* The parked helpers.  One split request at a time uses them (`work`); a
+   request that finds them busy drains its pieces alone.  `want` closes the
+   request to helpers that wake after its caller finished; `active` counts
+   those still draining it, which the caller waits for (its pieces live on
+   its stack). */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t go, idle;
+    Work *work;
+    unsigned long gen;     /* bumped per request: a helper takes each at most once */
+    int want, taken, active, started;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0, 0};
+
+static void *helper(void *arg)
+{
+    unsigned long seen = (unsigned long)(uintptr_t)arg; /* the generation before the request that started it */
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (pool.gen == seen)
+            pthread_cond_wait(&pool.go, &pool.mu);
+        seen = pool.gen;
+        if (pool.work == NULL || pool.taken >= pool.want)
+            continue;
+        Work *w = pool.work;
+        pool.taken++;
+        pool.active++;
+        pthread_mutex_unlock(&pool.mu);
+        drain(w);
+        pthread_mutex_lock(&pool.mu);
+        if (--pool.active == 0)
+            pthread_cond_signal(&pool.idle);
+    }
+    return NULL;
+}
+
+/* A forked child has none of its parent's helpers (and maybe a lock a helper held). */
+static void pool_after_fork(void)
+{
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.go, NULL);
+    pthread_cond_init(&pool.idle, NULL);
+    pool.work = NULL;
+    pool.want = pool.taken = pool.active = pool.started = 0;
+}
+
+/* Hand `w` to up to `helpers` parked threads (starting them on first use);
+   0 if they are busy with another request. */
+static int pool_start(Work *w, int helpers)
+{
+    pthread_mutex_lock(&pool.mu);
+    if (pool.work != NULL) {
+        pthread_mutex_unlock(&pool.mu);
+        return 0;
+    }
+    while (pool.started < helpers) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int bad = pthread_create(&t, &attr, helper, (void *)(uintptr_t)pool.gen);
+        pthread_attr_destroy(&attr);
+        if (bad)
+            break; /* fewer helpers (or none): the caller takes the rest */
+        pool.started++;
+    }
+    pool.work = w;
+    pool.want = helpers;
+    pool.taken = 0;
+    pool.gen++;
+    pthread_cond_broadcast(&pool.go);
+    pthread_mutex_unlock(&pool.mu);
+    return 1;
+}
+
+/* After the caller drained: close the request and wait for helpers still in it. */
+static void pool_finish(void)
+{
+    pthread_mutex_lock(&pool.mu);
+    pool.want = 0;
+    while (pool.active > 0)
+        pthread_cond_wait(&pool.idle, &pool.mu);
+    pool.work = NULL;
+    pthread_mutex_unlock(&pool.mu);
 }
 
 static void copy_split(const Plan *p, uint64_t total, int threads)
@@ -118,16 +205,10 @@ static void copy_split(const Plan *p, uint64_t total, int threads)
             pc[m++] = (Piece){d + off, s + off, l - off < CHUNK ? l - off : CHUNK};
     }
     Work w = {pc, m, 0};
-    pthread_t tid[MAX_THREADS];
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tid[t], NULL, drain, &w) != 0)
-            break; /* the threads that did start (and this one) take all the pieces */
-        started = t;
-    }
+    int helped = pool_start(&w, threads - 1);
     drain(&w);
-    for (int t = 1; t <= started; t++)
-        pthread_join(tid[t], NULL);
+    if (helped)
+        pool_finish();
     free(pc);
 }
 
@@ -384,5 +465,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__copy(void)
 {
+    if (pthread_atfork(NULL, NULL, pool_after_fork) != 0)
+        return PyErr_Format(PyExc_OSError, "kvt._copy: pthread_atfork failed");
     return PyModule_Create(&module);
 }

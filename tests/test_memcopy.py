@@ -4,6 +4,7 @@ same bytes, for scattered, uniform, merging and thread-split batches."""
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -160,7 +161,8 @@ def test_indexed_split_across_threads_lands_every_byte(threads, shape):
 
 def test_split_copies_from_many_threads_at_once_land_every_byte():
     """Split requests posted from several threads at once (the GIL is
-    released for each copy): each lands whole, none disturbs another."""
+    released for each copy): the parked helpers serve one at a time, the
+    others drain their pieces alone; each lands whole."""
     block, n = 64 << 10, memcopy.SPLIT_BYTES // (64 << 10) + 4
     jobs = [_tables(n, block) for _ in range(4)]
     perm = np.random.default_rng(5).permutation(n).astype(np.int64)
@@ -176,6 +178,40 @@ def test_split_copies_from_many_threads_at_once_land_every_byte():
     with ThreadPoolExecutor(4) as ex:
         for f in [ex.submit(run, job) for job in jobs]:
             f.result(timeout=60)
+
+
+def test_split_copies_work_in_a_forked_child():
+    """A child forked while the parent's copy helpers exist (even mid-copy)
+    has none of them: its split copies start their own and land every byte."""
+    block, n = 64 << 10, memcopy.SPLIT_BYTES // (64 << 10) + 4
+    src, dst, s, d = _tables(n, block)
+    di = np.arange(n, dtype=np.int64)
+    perm = np.random.default_rng(6).permutation(n).astype(np.int64)
+    assert memcopy.copy_indexed(d, di, s, perm, block, threads=2) == n * block  # helpers started here
+    busy = _tables(n, block)
+    with ThreadPoolExecutor(1) as ex:
+        other = ex.submit(lambda: [memcopy.copy_indexed(busy[3], di, busy[2], perm, block, threads=2)
+                                   for _ in range(20)])
+        pid = os.fork()
+        if pid == 0:
+            ok = False
+            try:
+                dst[:] = 0
+                ok = memcopy.copy_indexed(d, di, s, perm, block, threads=2) == n * block and \
+                    np.array_equal(dst.reshape(n, block), src.reshape(n, block)[perm])
+                if memcopy.ENGINE == "native":  # the child started a helper of its own
+                    ok = ok and len(os.listdir("/proc/self/task")) >= 2
+            finally:
+                os._exit(0 if ok else 1)
+        other.result(timeout=60)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's split copy did not finish within 30 s")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)
