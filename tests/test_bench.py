@@ -15,6 +15,7 @@ from kvt.bench import (MEMCPY, RAW_NIXL, Case, EngineSpec, add_ratios, format_si
                        merge_rounds, parse_size, run_engine, summarize)
 from kvt.bench import report
 from kvt.bench.memcpy import MemcpyEngine
+from kvt.bench.plan import WARM_ROTATE
 from kvt.bench.timing import measure
 from kvt.config import load_config
 from kvt.errors import InvalidArgument, TransferError
@@ -81,24 +82,28 @@ def test_case_ids_pair_contiguous_local_blocks_with_unmergeable_remote_ones(batc
     assert np.array_equal(case.ids().remote, ids.remote)  # every process derives the same ids
 
 
-def test_a_cold_plan_rotates_each_case_over_disjoint_blocks_filling_its_arena():
-    plan = make_plan(True, groups=["sweep"], blocks=[4096, 65536], batches=[1, 4], cold=1 << 20)
+def test_a_plan_rotates_each_case_over_disjoint_blocks_filling_its_arena():
+    plan = make_plan(True, groups=["sweep"], blocks=[4096, 65536], batches=[1, 4], rotate=2 << 20)
     small, big = Case("sweep", Op.READ, 4096, 1), Case("sweep", Op.READ, 65536, 4)
-    assert plan.rotations(small) == 256 and plan.rotations(big) == 4  # 1 MiB / bytes per iteration
-    assert plan.arena == 1 << 20 and plan.describe()["cold_bytes"] == 1 << 20
+    assert plan.rotations(small) == 512 and plan.rotations(big) == 8  # 2 MiB / bytes per iteration
+    assert plan.arena == 2 << 20 and plan.describe()["rotate_bytes"] == 2 << 20
     sets = [big.ids(k) for k in range(plan.rotations(big))]
     local = np.concatenate([i.local.ravel() for i in sets])
     remote = np.concatenate([i.remote.ravel() for i in sets])
-    # every rotation its own blocks: together exactly the arena's 16 blocks of 64 KiB, once each
-    assert np.array_equal(np.sort(local), np.arange(16)) and np.array_equal(np.sort(remote), np.arange(16))
+    # every rotation its own blocks: together exactly the arena's 32 blocks of 64 KiB, once each
+    assert np.array_equal(np.sort(local), np.arange(32)) and np.array_equal(np.sort(remote), np.arange(32))
     assert all(np.array_equal(np.diff(i.remote), np.diff(sets[0].remote)) for i in sets)  # same pattern
-    hot = make_plan(True, groups=["sweep"], blocks=[4096, 65536], batches=[1, 4])
-    assert hot.rotations(big) == 1 and hot.arena == 4 * 65536
-    with pytest.raises(InvalidArgument, match="cold"):
-        make_plan(True, cold=-1)
+    warm = make_plan(True, groups=["sweep"], blocks=[4096, 65536], batches=[1, 4])  # default: 1 MiB per side
+    assert warm.rotate == WARM_ROTATE == 1 << 20 and warm.rotations(big) == 4 and warm.rotations(small) == 256
+    assert make_plan(True, groups=["sweep"], blocks=[64 << 20], batches=[1]).rotations(
+        Case("sweep", Op.READ, 64 << 20, 1)) == 1  # a request of more than 1 MiB: the same blocks each time
+    same = make_plan(True, groups=["sweep"], blocks=[4096, 65536], batches=[1, 4], rotate=0)
+    assert same.rotations(big) == 1 and same.arena == 4 * 65536
+    with pytest.raises(InvalidArgument, match="rotate"):
+        make_plan(True, rotate=-1)
 
 
-def test_measure_on_a_cold_plan_warms_every_rotation_then_cycles_through_them():
+def test_measure_warms_every_rotation_then_cycles_through_them():
     seen = []
 
     class Recorder(EngineDouble):
@@ -107,7 +112,7 @@ def test_measure_on_a_cold_plan_warms_every_rotation_then_cycles_through_them():
             return super().post(case, ids, r)
 
     case = Case("sweep", Op.READ, 4096, 2)
-    plan = make_plan(True, budget=1e-9, warmup=1, min_iters=5, cold=3 * 8192)
+    plan = make_plan(True, budget=1e-9, warmup=1, min_iters=5, rotate=3 * 8192)
     measure(Recorder(), case, plan)
     assert seen == [0, 2, 4] + [0, 2, 4, 0, 2]  # 3 rotations of 2 blocks: each warmed once, then in turn
 
@@ -202,10 +207,10 @@ class EngineDouble:
 def test_measure_runs_warmup_then_at_least_min_iters_and_at_most_max_iters():
     case = Case("inflight", Op.READ, 4096, 1, 3)
     eng = EngineDouble()
-    row = measure(eng, case, make_plan(True, budget=1e-9, warmup=2, min_iters=4))
+    row = measure(eng, case, make_plan(True, budget=1e-9, warmup=2, min_iters=4, rotate=0))
     assert row["iters"] == 4 and eng.posts == (2 + 4) * 3 == eng.released
     eng = EngineDouble()
-    row = measure(eng, case, make_plan(True, budget=3600, warmup=0, min_iters=1, max_iters=7))
+    row = measure(eng, case, make_plan(True, budget=3600, warmup=0, min_iters=1, max_iters=7, rotate=0))
     assert row["iters"] == 7 and eng.posts == 21
 
 
@@ -285,17 +290,26 @@ def test_kvt_bench_quick_on_host_writes_table_json_and_plot(tmp_path, capsys, mo
     assert "| memcpy GB/s | host GB/s (x memcpy, x raw) |" in md and md.count("\n| scale |") == 2 + 2 * 2  # side by side, then every row
 
 
-def test_kvt_bench_cold_moves_the_bytes_of_every_rotation(tmp_path, capsys):
+@pytest.mark.parametrize("flags,title,rotate,arena", [
+    ([], "rotating over 1M", 1 << 20, 1 << 20),                       # the default: warm, 4 sets of blocks
+    (["--cold", "2M"], "cold over 2M", 2 << 20, 2 << 20),
+    (["--rotate", "0"], "the same blocks every iteration", 0, 4 * 65536),
+])
+def test_kvt_bench_rotates_each_case_as_asked_and_says_so(tmp_path, capsys, flags, title, rotate, arena):
     out_json = tmp_path / "out.json"
     code = cli.main(["bench", "--backend", "host", "--baselines", "memcpy", "--groups", "sweep", "--ops", "READ",
                      "--block-sizes", "64K", "--batches", "4", "--budget", "0.001", "--min-iters", "2",
-                     "--rounds", "1", "--cold", "1M", "--no-progress", "--json", str(out_json)])
+                     "--rounds", "1", *flags, "--no-progress", "--json", str(out_json)])
     text = capsys.readouterr().out
     assert code == 0, text
-    assert "cold over 1M" in text
+    assert title in text
     doc = json.loads(out_json.read_text())
-    assert doc["plan"]["cold_bytes"] == 1 << 20 and doc["plan"]["arena_bytes"] == 1 << 20
+    assert doc["plan"]["rotate_bytes"] == rotate and doc["plan"]["arena_bytes"] == arena
     assert [r["engine"] for r in doc["results"] if not r["error"]] == [MEMCPY, "host"]
+
+
+def test_kvt_bench_takes_one_rotation_option():
+    assert cli.main(["bench", "--rotate", "1M", "--cold"]) == 2  # --cold is a rotation too
 
 
 def test_kvt_bench_unknown_backend_is_a_typed_error(capsys):
@@ -323,3 +337,4 @@ def test_plot_needs_sweep_rows(tmp_path):
     report.plot([_row(MEMCPY, 8.0), _row("host", 2.0), _row("host", 3.0, block=65536)], tmp_path / "y.png",
                 [MEMCPY, "host"])
     assert (tmp_path / "y.png").read_bytes()[:8] == PNG_MAGIC
+

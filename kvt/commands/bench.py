@@ -52,10 +52,14 @@ def register(subparsers: Any) -> None:
     timing.add_argument("--warmup", type=int, metavar="N", help="untimed iterations per case")
     timing.add_argument("--min-iters", type=int, metavar="N", help="timed iterations per case at least")
     timing.add_argument("--timeout", type=float, metavar="S", help="seconds one iteration may take (60)")
-    timing.add_argument("--cold", nargs="?", const="auto", metavar="SIZE",
-                        help="move different blocks each iteration, rotating over SIZE per side (default: "
-                             "twice the CPU cache), so requests are timed from memory as an engine's KV is, "
-                             "not from cache")
+    rotation = timing.add_mutually_exclusive_group()
+    rotation.add_argument("--rotate", metavar="SIZE",
+                          help="cycle each case's iterations over disjoint blocks, SIZE per side "
+                               "(default 1M: warm, yet no row rests on one block's place in the cache; "
+                               "0: the same blocks every iteration)")
+    rotation.add_argument("--cold", nargs="?", const="auto", metavar="SIZE",
+                          help="rotate over more than the CPU cache (default: twice its size), so requests "
+                               "are timed from memory as an engine's KV is, not from cache")
     timing.add_argument("--rounds", type=int, metavar="N",
                         help="run every engine N times, alternating their order, and pool the iterations "
                              "(default: 2; 1 with --quick)")
@@ -84,11 +88,14 @@ def _plan(args: argparse.Namespace):
 
     sizes = _list(args.block_sizes, parse_size)
     max_bytes = parse_size(args.max_bytes) if args.max_bytes else None
-    cold = None if args.cold is None else cold_default() if args.cold == "auto" else parse_size(args.cold)
+    if args.cold is not None:
+        rotate = cold_default() if args.cold == "auto" else parse_size(args.cold)
+    else:
+        rotate = None if args.rotate is None else 0 if args.rotate.strip() == "0" else parse_size(args.rotate)
     return make_plan(args.quick, groups=_list(args.groups), ops=_list(args.ops), blocks=sizes,
                      batches=_list(args.batches, int), max_bytes=max_bytes, inflight=_list(args.inflight, int),
                      scale=_list(args.scale, int), budget=args.budget, warmup=args.warmup,
-                     min_iters=args.min_iters, timeout=args.timeout, cold=cold)
+                     min_iters=args.min_iters, timeout=args.timeout, rotate=rotate)
 
 
 def _config(args: argparse.Namespace, backend: str):
@@ -182,9 +189,10 @@ def run(args: argparse.Namespace) -> int:
     rows = report.ordered(add_ratios(merge_rounds(r for o in outcomes for r in o.rows)), plan, engines)
     # a pipe or file gets the whole table, not one squeezed to 80 columns
     console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
-    cold = f", cold over {format_size(plan.cold)}" if plan.cold else ""
+    how = "cold" if args.cold is not None else "rotating"
+    blocks = f", {how} over {format_size(plan.rotate)}" if plan.rotate else ", the same blocks every iteration"
     console.print(report.table(rows, title=f"kvt bench ({'quick' if args.quick else 'full'} sweep, "
-                                            f"{rounds} round{'s' if rounds > 1 else ''}{cold})"))
+                                            f"{rounds} round{'s' if rounds > 1 else ''}{blocks})"))
     growth = report.growth_table(rows)
     if growth is not None:
         console.print(growth)
