@@ -18,6 +18,7 @@ from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import WireError
 from kvt.procs import host_id, start_time
 from kvt.types import Descs, MemKind
+from kvt.ucxkeys import is_host_rkey, same_address_format
 from kvt.wire import Message, decode, encode
 
 __all__ = ["NixlMetadata", "pack", "unpack", "check_nixl_blob", "MAX_NIXL_BYTES"]
@@ -27,6 +28,8 @@ MAX_NIXL_BYTES = 16 << 20
 _HEADER = b"nixlSerDes|"
 _TAG = re.compile(rb"[A-Za-z]{0,16}")
 _COUNTS = (b"Conns", b"nixlSecElms", b"n")  # records whose value counts the records that follow
+_DESC_HEAD = 24  # a serialised descriptor: address, length, device id (u64 each), then the backend's blob
+_DRAM = 0        # nixl_mem_t DRAM_SEG
 
 
 class NixlMetadata(Message, tag="nixl_md"):
@@ -79,15 +82,18 @@ def _records(blob: bytes, name: str) -> list[tuple[bytes, bytes]]:
 
 def check_nixl_blob(blob: bytes, name: str, reference: bytes | None = None) -> None:
     """Structural check of NIXL's serialised agent metadata before NIXL sees
-    it (NIXL's own parser trusts lengths and counts; hostile blobs crash it).
+    it (NIXL's own parser trusts lengths and counts, and UCX the addresses and
+    keys inside: hostile blobs crash either).
 
     The blob is ``nixlSerDes|`` then records ``tag, u64 length, value, '|'``;
     every record must fit, the records must use the whole blob, the count
     records (connections, sections, descriptors) may not promise more records
-    than follow, and the first record must name the agent ``name``.  With
-    ``reference`` (our own blob), each connection record's UCX address must
-    carry the same address-format version as ours: UCX asserts (aborts the
-    process) on any other.  ``WireError`` otherwise."""
+    than follow, and the first record must name the agent ``name``.  Every
+    descriptor of a UCX memory section must be DRAM with a UCX host-memory
+    remote key (``kvt.ucxkeys``; kvt's nixl backend registers DRAM only).
+    With ``reference`` (our own blob), each connection record's UCX address
+    must carry the same address-format version as ours: UCX asserts (aborts
+    the process) on any other.  ``WireError`` otherwise."""
     records = _records(blob, name)
     if not records or records[0] != (b"Agent", name.encode()):
         raise WireError(f"NIXL metadata does not belong to agent {name!r}")
@@ -95,10 +101,38 @@ def check_nixl_blob(blob: bytes, name: str, reference: bytes | None = None) -> N
         if tag in _COUNTS:
             if len(value) != 8 or struct.unpack("<Q", value)[0] > len(records) - k - 1:
                 raise WireError(f"NIXL metadata of {name!r}: record {tag.decode()} promises more than follows")
-    ours = {v[0] & 0x0F for t, v in _records(reference, "self") if t == b"c" and v} if reference else set()
-    if ours and any(t == b"c" and (not v or v[0] & 0x0F not in ours) for t, v in records):
+    for backend, mem, desc in _descriptors(records, name):
+        if backend == b"UCX" and (mem != _DRAM or not is_host_rkey(desc[_DESC_HEAD:])):
+            raise WireError(f"NIXL metadata of {name!r} advertises memory whose UCX remote key is not a "
+                            "host-memory key of this UCX release; run the same NIXL/UCX release on both sides")
+    ours = [v for t, v in _records(reference, "self") if t == b"c" and v] if reference else []
+    if ours and any(t == b"c" and not same_address_format(v, ours[0]) for t, v in records):
         raise WireError(f"NIXL metadata of {name!r} carries a transport address in a format this "
                         "UCX does not speak; run the same NIXL/UCX release on both sides")
+
+
+def _descriptors(records: list[tuple[bytes, bytes]], name: str) -> list[tuple[bytes, int, bytes]]:
+    """``(backend, memory type, descriptor)`` of every descriptor in the blob's
+    memory sections: ``bknd``, then ``nixlDList``, ``t`` (u32 memory type),
+    ``n`` (u64 count) and ``n`` untagged descriptor records."""
+    out, backend, k = [], b"", 0
+    while k < len(records):
+        tag, value = records[k]
+        if tag == b"bknd":
+            backend = value
+        elif tag == b"nixlDList":
+            head = records[k + 1:k + 3]
+            if [t for t, _ in head] != [b"t", b"n"] or len(head[0][1]) != 4:
+                raise WireError(f"NIXL metadata of {name!r}: a descriptor list without its type and count")
+            mem, (n,) = int.from_bytes(head[0][1], "little"), struct.unpack("<Q", head[1][1])
+            descs = records[k + 3:k + 3 + n]  # n is within the records (checked above)
+            if any(t or len(v) < _DESC_HEAD for t, v in descs):
+                raise WireError(f"NIXL metadata of {name!r}: a malformed descriptor")
+            out += [(backend, mem, v) for _, v in descs]
+            k += 3 + n
+            continue
+        k += 1
+    return out
 
 
 def unpack(data: bytes, reference: bytes | None = None) -> tuple[NixlMetadata, dict[MemKind, Descs]]:

@@ -161,3 +161,51 @@ def test_every_verb_after_close(make_backend, local_buf):
     for call in calls:
         with pytest.raises(ClosedError):
             call()
+
+
+# A peer's NIXL blob, its first UCX remote key (memory section, first descriptor) rewritten.
+# Run in a child: before kvt vetted the keys, memory type 46 segfaulted add_remote_agent.
+_FORGED_KEYS = r'''
+import struct, sys
+import numpy as np
+from kvt.errors import WireError
+from kvt.wire import decode, encode
+from kvt_nixl.backend import NixlBackend
+from kvt_nixl.metadata import NixlMetadata, _records
+
+peer, victim = NixlBackend("forger", {"timeout": 2}), NixlBackend("victim", {"timeout": 2})
+buf = np.zeros(1 << 16, np.uint8)
+peer.register(buf)
+md = decode(peer.local_metadata(), NixlMetadata)
+records = [list(r) for r in _records(md.nixl, md.name)]
+d = next(i for i, (t, v) in enumerate(records) if t == b"" and len(v) > 24)
+t = d - 2  # the list's memory type record
+key = records[d][1][24:]
+cases = {"original": {}, "memory type 46": {d: key[:8] + b"\x2e" + key[9:]},
+         "memory type cuda": {d: key[:8] + b"\x01" + key[9:]}, "truncated": {d: key[:5]},
+         "trailing byte": {d: key + b"\x01"}, "md record overruns": {d: key[:9] + b"\xc8" + key[10:]},
+         "VRAM section": {t: b"\x01\x00\x00\x00"}}
+for case, changes in cases.items():
+    forged = [list(r) for r in records]
+    for i, value in changes.items():
+        forged[i][1] = forged[i][1][:24] + value if i == d else value
+    blob = b"nixlSerDes|" + b"".join(t + struct.pack("<Q", len(v)) + v + b"|" for t, v in forged)
+    try:
+        name = victim.add_remote(encode(NixlMetadata(name=md.name, nixl=blob, regions=md.regions)))
+        victim.remove_remote(name)
+        print(case, "loaded", flush=True)
+    except WireError:
+        print(case, "WireError", flush=True)
+'''
+
+
+def test_forged_ucx_remote_keys_in_the_nixl_blob_are_wire_errors_not_crashes():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FORGED_KEYS], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"the victim died (exit {proc.returncode}): {proc.stderr[-2000:]}"
+    seen = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines() if line.endswith(("loaded", "WireError")))
+    assert seen == {"original": "loaded", "memory type 46": "WireError", "memory type cuda": "WireError",
+                    "truncated": "WireError", "trailing byte": "WireError", "md record overruns": "WireError",
+                    "VRAM section": "WireError"}, proc.stdout

@@ -5,11 +5,10 @@ one of its own can make ``ucp_ep_create`` or ``ucp_ep_rkey_unpack`` assert or
 segfault (tests/security's fuzzing of ucx metadata finds such blobs within a
 few thousand tries).  Two layers, in order:
 
-1. Envelopes: the address must carry our UCX's address-format version (UCX
-   asserts on any other), and each remote key must be a host-memory key laid
-   out exactly as ``ucp_rkey_pack`` writes one (UCX >= 1.20: md map, memory
-   type, one sized record per memory domain, the system-device byte, nothing
-   after): a forged memory type or length sends UCX's protocol selection
+1. Envelopes (``kvt.ucxkeys``): the address must carry our UCX's
+   address-format version (UCX asserts on any other), and each remote key
+   must be a host-memory key laid out exactly as ``ucp_rkey_pack`` writes
+   one: a forged memory type or length sends UCX's protocol selection
    reading out of bounds, a crash that depends on the memory layout.
 2. A sandbox: a long-lived child process with the same UCX settings makes the
    same ``ucp_ep_create``/``ucp_ep_rkey_unpack`` calls first; if it dies or
@@ -36,6 +35,7 @@ import time
 
 import msgspec
 from kvt.errors import WireError
+from kvt.ucxkeys import is_host_rkey, same_address_format
 
 __all__ = ["vet"]
 
@@ -48,37 +48,18 @@ _lock = threading.Lock()
 _children: dict[str, subprocess.Popen] = {}  # UCX settings (JSON) -> child
 
 
-_HOST = 0                # UCS_MEMORY_TYPE_HOST
-_NO_SYS_DEVICE = 0xFF    # UCS_SYS_DEVICE_ID_UNKNOWN: host memory has no distances packed after it
-
-
 def vet(config: dict[str, str], ours: bytes, address: bytes, rkeys: list[bytes], peer_mode: bool,
         who: str) -> None:
     """``WireError`` unless ``address`` (ours: our own worker address) and
     ``rkeys`` pass both layers for the UCX settings ``config``."""
-    if not address or (address[0] ^ ours[0]) & 0x0F:
+    if not same_address_format(address, ours):
         raise WireError(f"metadata of {who!r}: a UCX worker address in a format this UCX does not speak; "
                         "run the same UCX release on both sides")
     for k in rkeys:
-        if k and not _host_key(k):
+        if k and not is_host_rkey(k):
             raise WireError(f"metadata of {who!r}: a remote key that is not a UCX host-memory key; "
                             "run the same UCX release on both sides")
     _sandbox(config, address, rkeys, peer_mode, who)
-
-
-def _host_key(k: bytes) -> bool:
-    if len(k) < 9:
-        return False
-    (md_map,), mem_type, i = struct.unpack_from("<Q", k), k[8], 9
-    if mem_type != _HOST:
-        return False
-    if md_map == 0:  # no memory domain can reach it (e.g. tcp only): UCX packs nothing more
-        return len(k) == 9
-    for _ in range(md_map.bit_count()):
-        if i >= len(k):
-            return False
-        i += 1 + k[i]
-    return i == len(k) - 1 and k[i] | 0x80 == _NO_SYS_DEVICE  # the high bit: "flush needed"
 
 
 def _sandbox(config: dict[str, str], address: bytes, rkeys: list[bytes], peer_mode: bool, who: str) -> None:
