@@ -106,7 +106,7 @@ def check_nixl_blob(blob: bytes, name: str, reference: bytes | None = None) -> N
             raise WireError(f"NIXL metadata of {name!r} advertises memory whose UCX remote key is not a "
                             "host-memory key of this UCX release; run the same NIXL/UCX release on both sides")
     ours = [v for t, v in _records(reference, "self") if t == b"c" and v] if reference else []
-    if ours and any(t == b"c" and not same_address_format(v, ours[0]) for t, v in records):
+    if ours and any(t == b"c" and not any(same_address_format(v, o) for o in ours) for t, v in records):
         raise WireError(f"NIXL metadata of {name!r} carries a transport address in a format this "
                         "UCX does not speak; run the same NIXL/UCX release on both sides")
 

@@ -166,7 +166,7 @@ def test_every_verb_after_close(make_backend, local_buf):
 # A peer's NIXL blob, its first UCX remote key (memory section, first descriptor) rewritten.
 # Run in a child: before kvt vetted the keys, memory type 46 segfaulted add_remote_agent.
 _FORGED_KEYS = r'''
-import struct, sys
+import struct
 import numpy as np
 from kvt.errors import WireError
 from kvt.wire import decode, encode
@@ -179,12 +179,12 @@ peer.register(buf)
 md = decode(peer.local_metadata(), NixlMetadata)
 records = [list(r) for r in _records(md.nixl, md.name)]
 d = next(i for i, (t, v) in enumerate(records) if t == b"" and len(v) > 24)
-t = d - 2  # the list's memory type record
+mem = d - 2  # the list's memory type record
 key = records[d][1][24:]
 cases = {"original": {}, "memory type 46": {d: key[:8] + b"\x2e" + key[9:]},
          "memory type cuda": {d: key[:8] + b"\x01" + key[9:]}, "truncated": {d: key[:5]},
          "trailing byte": {d: key + b"\x01"}, "md record overruns": {d: key[:9] + b"\xc8" + key[10:]},
-         "VRAM section": {t: b"\x01\x00\x00\x00"}}
+         "VRAM section": {mem: b"\x01\x00\x00\x00"}}
 for case, changes in cases.items():
     forged = [list(r) for r in records]
     for i, value in changes.items():
