@@ -166,30 +166,38 @@ def targets():
         from kvt_nixl.backend import NixlBackend
         return add_remote_of(NixlBackend, {})
 
-    def nixl_rkey():
-        """A live peer's NIXL blob with its first UCX remote key replaced by the blob (UCX
-        unpacks keys inside add_remote_agent; a forged memory type segfaulted it)."""
-        import struct
+    def nixl_record(pick, head=0):
+        """A live peer's NIXL blob with one record's value (after ``head`` bytes kept)
+        replaced by the blob; ``pick(tag, value)`` chooses the first such record."""
         from kvt_nixl.backend import NixlBackend
-        from kvt_nixl.metadata import NixlMetadata, _records
+        from kvt_nixl.metadata import NixlMetadata, _blob, _records
         seed_md, feed_md = add_remote_of(NixlBackend, {})
         md = decode(seed_md, NixlMetadata)
         records = _records(md.nixl, md.name)
-        d = next(i for i, (t, v) in enumerate(records) if t == b"" and len(v) > 24)  # the first descriptor
+        d = next(i for i, (t, v) in enumerate(records) if pick(t, v))
 
-        def feed(key):
-            forged = records[:d] + [(b"", records[d][1][:24] + key)] + records[d + 1:]
-            blob = b"nixlSerDes|" + b"".join(t + struct.pack("<Q", len(v)) + v + b"|" for t, v in forged)
-            feed_md(encode(msgspec.structs.replace(md, nixl=blob)))
+        def feed(value):
+            forged = records[:d] + [(records[d][0], records[d][1][:head] + value)] + records[d + 1:]
+            feed_md(encode(msgspec.structs.replace(md, nixl=_blob(forged))))
         feed.keep = feed_md.keep
-        return records[d][1][24:], feed
+        return records[d][1][head:], feed
+
+    def nixl_rkey():
+        """The first UCX remote key (UCX unpacks keys inside add_remote_agent; a
+        forged memory type segfaulted it)."""
+        return nixl_record(lambda t, v: t == b"" and len(v) > 24, head=24)
+
+    def nixl_address():
+        """The first connection record: a UCX worker address, which NIXL connects to
+        inside add_remote_agent."""
+        return nixl_record(lambda t, v: t == b"c" and len(v) > 0)
 
     def ucx_add_remote():
         from kvt_ucx.backend import UcxBackend
         return add_remote_of(UcxBackend, {"ucx": {"NET_DEVICES": "lo"}, "timeout": 2})
 
     return {f.__name__: f for f in (wire_agent_info, wire_handshake, host_add_remote, host_server,
-                                    nixl_add_remote, nixl_rkey, ucx_add_remote)}
+                                    nixl_add_remote, nixl_rkey, nixl_address, ucx_add_remote)}
 
 
 def _kvt_only(e: BaseException) -> None:

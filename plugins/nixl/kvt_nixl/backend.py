@@ -40,7 +40,7 @@ from kvt.errors import (BackendUnavailable, IncompatiblePeer, InvalidArgument, I
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState, as_index)
 
-from . import native
+from . import native, vet
 from .metadata import epoch_watch, pack, unpack
 from .options import parse_options
 
@@ -121,9 +121,12 @@ class NixlBackend(Backend):
         avail = native.availability()
         if not avail.usable:
             raise BackendUnavailable(f"nixl backend cannot run here: {avail.reason}")
-        self._agent = native.new_agent(
-            agent_name, opts.backends, {b: {k: str(v) for k, v in p.items()} for b, p in opts.backend_params.items()},
-            opts.num_threads, opts.progress_thread, _ucx_env(opts.ucx_env), opts.progress_delay_us)
+        # what new_agent makes the agent from, also the settings of the sandbox that loads peers' blobs first
+        self._settings = {"backends": opts.backends, "num_threads": opts.num_threads, "env": _ucx_env(opts.ucx_env),
+                          "params": {b: {k: str(v) for k, v in p.items()} for b, p in opts.backend_params.items()}}
+        s = self._settings
+        self._agent = native.new_agent(agent_name, s["backends"], s["params"], s["num_threads"],
+                                       opts.progress_thread, s["env"], opts.progress_delay_us)
         self._lock = threading.RLock()                   # guards everything but the hot path
         # NIXL runs in NIXL_THREAD_SYNC_NONE mode (see native.new_agent): kvt serializes its own
         # calls into NIXL with this lock, held around each call only (never while taking _lock)
@@ -187,6 +190,7 @@ class NixlBackend(Backend):
 
     def local_metadata(self) -> bytes:
         self._check_open()
+        vet.start(self._settings)  # peers are coming: have the sandbox up before their metadata
         try:
             with self._nixl:
                 blob = self._agent.get_agent_metadata()
@@ -205,6 +209,8 @@ class NixlBackend(Backend):
         md, regions = unpack(metadata, self._own_blob)
         if md.name == self.agent_name:
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
+        if self._blobs.get(md.name) != md.nixl:  # a blob we loaded before was vetted then
+            vet.vet(self._settings, md.nixl, md.name)
         with self._lock:
             if md.name in self._peers and self._blobs.get(md.name) != md.nixl:
                 # a restarted peer (same name, new process): NIXL would keep talking to the old

@@ -13,6 +13,7 @@ import os
 import re
 import struct
 
+import msgspec
 import numpy as np
 from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import WireError
@@ -21,7 +22,7 @@ from kvt.types import Descs, MemKind
 from kvt.ucxkeys import is_host_rkey, same_address_format
 from kvt.wire import Message, decode, encode
 
-__all__ = ["NixlMetadata", "pack", "unpack", "check_nixl_blob", "MAX_NIXL_BYTES"]
+__all__ = ["NixlMetadata", "pack", "unpack", "check_nixl_blob", "agent_name", "MAX_NIXL_BYTES"]
 
 #: largest NIXL blob a peer may hand us (a few hundred bytes per registered region)
 MAX_NIXL_BYTES = 16 << 20
@@ -30,6 +31,12 @@ _TAG = re.compile(rb"[A-Za-z]{0,16}")
 _COUNTS = (b"Conns", b"nixlSecElms", b"n")  # records whose value counts the records that follow
 _DESC_HEAD = 24  # a serialised descriptor: address, length, device id (u64 each), then the backend's blob
 _DRAM = 0        # nixl_mem_t DRAM_SEG
+_MAX_CONNS = 16  # connection records (one per NIXL backend plugin; there are a handful)
+#: zero bytes after every connection record's UCX worker address: ``ucp_ep_create`` takes an
+#: address without its length, so a truncated one would be parsed on into whatever follows it
+#: in memory (a crash that varies with the heap, which no sandbox can rule out); after the
+#: padding it reads zeros, the same in the sandbox and here.  (kvt_ucx pads its copy alike.)
+ADDRESS_PAD = 4096
 
 
 class NixlMetadata(Message, tag="nixl_md"):
@@ -105,10 +112,31 @@ def check_nixl_blob(blob: bytes, name: str, reference: bytes | None = None) -> N
         if backend == b"UCX" and (mem != _DRAM or not is_host_rkey(desc[_DESC_HEAD:])):
             raise WireError(f"NIXL metadata of {name!r} advertises memory whose UCX remote key is not a "
                             "host-memory key of this UCX release; run the same NIXL/UCX release on both sides")
+    if sum(t == b"c" for t, _ in records) > _MAX_CONNS:
+        raise WireError(f"NIXL metadata of {name!r} has more than {_MAX_CONNS} connection records")
     ours = [v for t, v in _records(reference, "self") if t == b"c" and v] if reference else []
     if ours and any(t == b"c" and not any(same_address_format(v, o) for o in ours) for t, v in records):
         raise WireError(f"NIXL metadata of {name!r} carries a transport address in a format this "
                         "UCX does not speak; run the same NIXL/UCX release on both sides")
+
+
+def pad_addresses(blob: bytes) -> bytes:
+    """``blob`` (checked) with ``ADDRESS_PAD`` zero bytes after each connection record's value."""
+    pad = bytes(ADDRESS_PAD)
+    return _blob([(t, v + pad if t == b"c" else v) for t, v in _records(blob, "?")])
+
+
+def _blob(records: list[tuple[bytes, bytes]]) -> bytes:
+    """A NIXL blob of ``(tag, value)`` records (the inverse of ``_records``)."""
+    return _HEADER + b"".join(t + struct.pack("<Q", len(v)) + v + b"|" for t, v in records)
+
+
+def agent_name(blob: bytes) -> str:
+    """The agent a NIXL blob belongs to (its first record; ``WireError`` if none)."""
+    records = _records(blob, "?")
+    if not records or records[0][0] != b"Agent":
+        raise WireError("NIXL metadata does not start with its agent's name")
+    return records[0][1].decode(errors="replace")
 
 
 def _descriptors(records: list[tuple[bytes, bytes]], name: str) -> list[tuple[bytes, int, bytes]]:
@@ -138,11 +166,12 @@ def _descriptors(records: list[tuple[bytes, bytes]], name: str) -> list[tuple[by
 def unpack(data: bytes, reference: bytes | None = None) -> tuple[NixlMetadata, dict[MemKind, Descs]]:
     """Decode a peer's metadata and its region table (``WireError`` if
     malformed), the NIXL blob checked structurally (see ``check_nixl_blob``;
-    ``reference`` is our own NIXL blob)."""
+    ``reference`` is our own NIXL blob) and its addresses padded (``pad_addresses``)."""
     md = decode(data, NixlMetadata)
     if not 0 < len(md.name) <= 256:
         raise WireError("agent name must be 1 to 256 characters")
     check_nixl_blob(md.nixl, md.name, reference)
+    md = msgspec.structs.replace(md, nixl=pad_addresses(md.nixl))
     try:
         regions = {}
         for kind, rows in md.regions.items():

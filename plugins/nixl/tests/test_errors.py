@@ -3,6 +3,8 @@ backend (and the peer's memory) as it was."""
 
 from __future__ import annotations
 
+from pathlib import Path
+import msgspec
 import numpy as np
 import pytest
 from kvt.errors import (ClosedError, IncompatiblePeer, InvalidArgument, InvalidDescriptor, InvalidHandle, UnknownPeer,
@@ -137,6 +139,28 @@ def test_malformed_metadata_is_a_wire_error(make_backend, peer):
     assert load(b, peer)  # and good metadata still loads afterwards
 
 
+def test_connection_records_reach_nixl_padded_with_zeros(make_backend):
+    """UCX parses a worker address without its length: each connection record
+    goes to NIXL with ADDRESS_PAD zero bytes after it, so a truncated address
+    reads zeros, not whatever follows it in memory (and the sandbox sees the
+    same bytes as the agent).  The padding is bounded: a blob may carry at
+    most 16 connection records."""
+    from kvt.wire import decode
+    from kvt_nixl.metadata import ADDRESS_PAD, _blob, _records, unpack
+
+    data = make_backend().local_metadata()
+    raw = decode(data, NixlMetadata)
+    records = _records(raw.nixl, raw.name)
+    address = dict(records)[b"c"]
+    md, _ = unpack(data)
+    padded = dict(_records(md.nixl, md.name))[b"c"]
+    assert ADDRESS_PAD >= 4096 and padded == address + bytes(ADDRESS_PAD)
+    assert [r for r in _records(md.nixl, md.name) if r[0] != b"c"] == [r for r in records if r[0] != b"c"]
+    many = _blob([r for r in records for _ in range(17 if r[0] == b"c" else 1)])
+    with pytest.raises(WireError, match="connection records"):
+        unpack(encode(msgspec.structs.replace(raw, nixl=many)))
+
+
 def test_peer_without_a_transport_in_common_is_incompatible(make_backend):
     """Metadata that decodes but names no UCX transport we can reach."""
     narrow = {"ucx_env": {"UCX_TLS": "cma,self"}, "backend_params": {"UCX": {"ucx_error_handling_mode": "none"}}}
@@ -163,49 +187,71 @@ def test_every_verb_after_close(make_backend, local_buf):
             call()
 
 
-# A peer's NIXL blob, its first UCX remote key (memory section, first descriptor) rewritten.
-# Run in a child: before kvt vetted the keys, memory type 46 segfaulted add_remote_agent.
-_FORGED_KEYS = r'''
-import struct
+# A peer's NIXL blob with records rewritten, loaded by a victim in a child (a crash must not
+# take the test run with it).
+#  keys: its first UCX remote key (memory section, first descriptor); before kvt vetted the
+#        keys, memory type 46 segfaulted add_remote_agent.
+#  addresses: its connection record (the UCX worker address); the fuzzed addresses kept under
+#        tests/security/regressions segfault add_remote_agent every time.
+_FORGED = r"""
+import sys
+from pathlib import Path
 import numpy as np
-from kvt.errors import WireError
+from kvt.errors import KvtError
 from kvt.wire import decode, encode
 from kvt_nixl.backend import NixlBackend
-from kvt_nixl.metadata import NixlMetadata, _records
+from kvt_nixl.metadata import NixlMetadata, _blob, _records
 
 peer, victim = NixlBackend("forger", {"timeout": 2}), NixlBackend("victim", {"timeout": 2})
 buf = np.zeros(1 << 16, np.uint8)
 peer.register(buf)
 md = decode(peer.local_metadata(), NixlMetadata)
-records = [list(r) for r in _records(md.nixl, md.name)]
+records = _records(md.nixl, md.name)
 d = next(i for i, (t, v) in enumerate(records) if t == b"" and len(v) > 24)
-mem = d - 2  # the list's memory type record
-key = records[d][1][24:]
-cases = {"original": {}, "memory type 46": {d: key[:8] + b"\x2e" + key[9:]},
-         "memory type cuda": {d: key[:8] + b"\x01" + key[9:]}, "truncated": {d: key[:5]},
-         "trailing byte": {d: key + b"\x01"}, "md record overruns": {d: key[:9] + b"\xc8" + key[10:]},
-         "VRAM section": {mem: b"\x01\x00\x00\x00"}}
+c = next(i for i, (t, v) in enumerate(records) if t == b"c")
+head, key, address = records[d][1][:24], records[d][1][24:], records[c][1]
+if sys.argv[1] == "keys":
+    cases = {"original": {}, "memory type 46": {d: head + key[:8] + b"\x2e" + key[9:]},
+             "memory type cuda": {d: head + key[:8] + b"\x01" + key[9:]}, "truncated": {d: head + key[:5]},
+             "trailing byte": {d: head + key + b"\x01"}, "md record overruns": {d: head + key[:9] + b"\xc8" + key[10:]},
+             "VRAM section": {d - 2: b"\x01\x00\x00\x00"}}
+else:
+    cases = {"original": {}, "truncated": {c: address[:40]}}
+    cases.update({p.name: {c: p.read_bytes()} for p in sorted(Path(sys.argv[2]).glob("nixl_address-*.bin"))})
 for case, changes in cases.items():
-    forged = [list(r) for r in records]
-    for i, value in changes.items():
-        forged[i][1] = forged[i][1][:24] + value if i == d else value
-    blob = b"nixlSerDes|" + b"".join(t + struct.pack("<Q", len(v)) + v + b"|" for t, v in forged)
+    blob = _blob([(t, changes.get(i, v)) for i, (t, v) in enumerate(records)])
     try:
         name = victim.add_remote(encode(NixlMetadata(name=md.name, nixl=blob, regions=md.regions)))
         victim.remove_remote(name)
-        print(case, "loaded", flush=True)
-    except WireError:
-        print(case, "WireError", flush=True)
-'''
+        print("case", case, "loaded", flush=True)
+    except KvtError as e:
+        print("case", case, type(e).__name__, flush=True)
+"""
+_REGRESSIONS = Path(__file__).parents[3] / "tests" / "security" / "regressions"
 
 
-def test_forged_ucx_remote_keys_in_the_nixl_blob_are_wire_errors_not_crashes():
+def _forged(what: str) -> dict[str, str]:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _FORGED_KEYS], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _FORGED, what, str(_REGRESSIONS)], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, f"the victim died (exit {proc.returncode}): {proc.stderr[-2000:]}"
-    seen = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines() if line.endswith(("loaded", "WireError")))
-    assert seen == {"original": "loaded", "memory type 46": "WireError", "memory type cuda": "WireError",
-                    "truncated": "WireError", "trailing byte": "WireError", "md record overruns": "WireError",
-                    "VRAM section": "WireError"}, proc.stdout
+    # UCX logs to stdout too
+    return dict(line[5:].rsplit(" ", 1) for line in proc.stdout.splitlines() if line.startswith("case "))
+
+
+def test_forged_ucx_remote_keys_in_the_nixl_blob_are_wire_errors_not_crashes():
+    assert _forged("keys") == {"original": "loaded", "memory type 46": "WireError", "memory type cuda": "WireError",
+                               "truncated": "WireError", "trailing byte": "WireError",
+                               "md record overruns": "WireError", "VRAM section": "WireError"}
+
+
+def test_ucx_addresses_that_crash_nixl_are_refused_by_the_sandbox_not_loaded():
+    """The fuzzed addresses under tests/security/regressions pass every
+    envelope check and segfault ``add_remote_agent``; the sandbox loads them
+    first and dies instead.  A truncated address is read with zeros after it
+    (kvt pads connection records), so it is refused the same way every time."""
+    seen = _forged("addresses")
+    assert seen.pop("original") == "loaded" and seen.pop("truncated") in ("IncompatiblePeer", "WireError")
+    assert seen == {"nixl_address-2-883.bin": "WireError", "nixl_address-3-513.bin": "WireError"}

@@ -221,6 +221,7 @@ class UcxBackend(Backend):
 
     def local_metadata(self) -> bytes:
         self._check_open()
+        vet.start(self._config)  # peers are coming: have the sandbox up before their metadata
         return encode(self._metadata())
 
     def _connect(self, md: UcxMetadata, ours: bool = False) -> _Peer:

@@ -195,13 +195,13 @@ def test_metadata_that_kills_the_sandbox_is_refused_and_the_next_check_starts_a_
     sandbox process first.  The double here is a sandbox that always dies."""
     import sys
 
+    from kvt import sandbox
     from kvt.errors import WireError
-    from kvt_ucx import vet
 
-    monkeypatch.setattr(vet, "_children", {})
-    monkeypatch.setattr(vet, "_CHILD", [sys.executable, "-c", _DIES_ON_FIRST_REQUEST])
+    monkeypatch.setattr(sandbox, "_children", {})
+    monkeypatch.setattr(sandbox, "CHILD", [sys.executable, "-c", _DIES_ON_FIRST_REQUEST])
     with pytest.raises(WireError, match="sandbox"):
         backend.add_remote(peer.metadata())
     monkeypatch.undo()
-    monkeypatch.setattr(vet, "_children", {})
+    monkeypatch.setattr(sandbox, "_children", {})
     assert backend.add_remote(peer.metadata()) == "peer"
