@@ -71,7 +71,10 @@ def start(probe: str, settings: dict[str, Any]) -> None:
     for it: a plugin calls this when it is created, so that its first peer
     does not wait for the child's start (a fifth of a second for NIXL)."""
     with _lock:
-        _child(probe, settings)
+        try:
+            _child(probe, settings)
+        except OSError:  # vet says why
+            pass
 
 
 def vet(probe: str, settings: dict[str, Any], payload: bytes, refusal: str) -> None:
@@ -80,7 +83,11 @@ def vet(probe: str, settings: dict[str, Any], payload: bytes, refusal: str) -> N
     or hung there.  Checks are serialised per process (they are rare: one
     per peer loaded)."""
     with _lock:
-        key = _child(probe, settings)
+        try:
+            key = _child(probe, settings)
+        except OSError as e:  # e.g. no interpreter at sys.executable (an embedding application)
+            raise WireError(f"could not start the sandbox process that vets peer metadata ({e}); "
+                            f"kvt.sandbox.CHILD is {CHILD}") from e
         child = _children[key]
         if not child.up:
             if _read(child.proc, 2, START_TIMEOUT) != b"up":

@@ -111,3 +111,10 @@ def test_a_forked_process_starts_its_own_child():
 def test_a_probe_that_cannot_start_is_a_wire_error_that_says_so():
     with pytest.raises(WireError, match="did not start"):
         sandbox.vet(PROBE, {"broken": True}, b"fine", "refused")
+
+
+def test_no_interpreter_to_start_is_a_wire_error(monkeypatch):
+    monkeypatch.setattr(sandbox, "CHILD", ["/nonexistent/python"])
+    sandbox.start(PROBE, {})
+    with pytest.raises(WireError, match="could not start"):
+        sandbox.vet(PROBE, {}, b"fine", "refused")
