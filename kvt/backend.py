@@ -176,7 +176,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Messages received since the last call, by sender agent name, in
-        arrival order.  Never blocks."""
+        arrival order.  Never blocks.  None is longer than
+        ``capabilities.max_notif_bytes``: a longer one (no kvt peer sends
+        it) is dropped on arrival."""
 
     # -- lifecycle ------------------------------------------------------------
 

@@ -512,9 +512,18 @@ class NixlBackend(Backend):
         self._check_open()
         try:
             with self._nixl:
-                return self._agent.get_new_notifs()
+                got = self._agent.get_new_notifs()
         except Exception as e:
             raise native.translate(e, "fetching notifications", TransferError) from e
+        # NIXL delivers messages of any size, from any agent that loaded our metadata (kvt or
+        # not): what no kvt peer may send goes no further, as on the other backends
+        limit = self.capabilities.max_notif_bytes
+        for sender, msgs in got.items():
+            if any(len(m) > limit for m in msgs):
+                got[sender] = kept = [m for m in msgs if len(m) <= limit]
+                log.debug("dropped %d notification(s) over %d bytes from %r", len(msgs) - len(kept), limit,
+                          sender[:64])
+        return {s: m for s, m in got.items() if m}
 
     # -- lifecycle ------------------------------------------------------------
 

@@ -255,3 +255,27 @@ def test_ucx_addresses_that_crash_nixl_are_refused_by_the_sandbox_not_loaded():
     seen = _forged("addresses")
     assert seen.pop("original") == "loaded" and seen.pop("truncated") in ("IncompatiblePeer", "WireError")
     assert seen == {"nixl_address-2-883.bin": "WireError", "nixl_address-3-513.bin": "WireError"}
+
+
+def test_notifications_over_the_declared_size_from_a_raw_nixl_peer_are_dropped(make_backend):
+    """NIXL delivers a message of any size from any agent that loaded our
+    metadata; kvt peers cannot send more than max_notif_bytes, and nothing
+    longer reaches the engine."""
+    import time
+
+    from kvt.wire import decode
+    from kvt_nixl import native
+
+    victim = make_backend()
+    limit = victim.capabilities.max_notif_bytes
+    raw = native.new_agent("raw-sender", ["UCX"], {}, 0, True, {})
+    raw.add_remote_agent(decode(victim.local_metadata(), NixlMetadata).nixl)
+    for n in (1, limit + 1, limit, 8 * limit):
+        raw.send_notif(victim.agent_name, bytes([n % 251]) * n)
+    got, deadline = [], time.monotonic() + 20
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += victim.get_notifs().get("raw-sender", [])
+        time.sleep(0.01)
+    time.sleep(0.5)  # and nothing after them
+    got += victim.get_notifs().get("raw-sender", [])
+    assert [len(m) for m in got] == [1, limit]
