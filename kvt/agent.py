@@ -28,6 +28,7 @@ import numpy as np
 from . import registry
 from .config import Config, load_config
 from .auth import NotifSeal, Secret
+from .backend import Inbox
 from .errors import (AuthenticationError, ClosedError, HandshakeError, IncompatiblePeer, IntegrityError,
                      InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, UnsupportedOperation,
                      WireError)
@@ -221,7 +222,8 @@ class Agent:
         self._preps: dict[tuple[str | None, str], PrepHandle] = {}
         self._routes: dict[tuple[str, str, str], _Route] = {}  # (peer, layout, remote layout) -> checked, prepped
         self._nblocks: dict[PrepHandle, int] = {}  # blocks per region of each prepped layout
-        self._pending: dict[str, list[bytes]] = {}
+        # what wait_notif received while looking for another message, bounded as a backend's inbox
+        self._pending = Inbox()
         self._reach: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
         self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
         self._discovery = None
@@ -549,7 +551,7 @@ class Agent:
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Everything received since the last call, by sender."""
         with self._lock:
-            out, self._pending = self._pending, {}
+            out = self._pending.take()
             for sender, msgs in self._received().items():
                 out.setdefault(sender, []).extend(msgs)
         return out
@@ -557,19 +559,22 @@ class Agent:
     def wait_notif(self, peer: str | None = None, timeout: float = 10.0,
                    match: bytes | None = None) -> tuple[str, bytes]:
         """The next notification (from ``peer``, equal to ``match``, if given);
-        others stay queued for ``get_notifs``.  ``KvtTimeoutError`` on timeout."""
+        others stay queued for ``get_notifs`` (up to a backend inbox's bound:
+        beyond it, the newest are dropped and logged)."""
 
         def take():
             with self._lock:
+                got, dropped = self._pending.take_first(peer, match), 0
                 for sender, msgs in self._received().items():
-                    self._pending.setdefault(sender, []).extend(msgs)
-                for sender, msgs in self._pending.items():
-                    if peer not in (None, sender):
-                        continue
-                    for i, m in enumerate(msgs):
-                        if match is None or m == match:
-                            return sender, msgs.pop(i)
-            return None
+                    for m in msgs:
+                        if got is None and peer in (None, sender) and match in (None, m):
+                            got = sender, m
+                        elif not self._pending.deliver(sender, m):
+                            dropped += 1
+                if dropped:
+                    log.warning("dropped %d notification(s): the unread ones fill the queue (%d messages / "
+                                "%d bytes); call get_notifs", dropped, self._pending.max_msgs, self._pending.max_bytes)
+                return got
 
         return poll_until(take, timeout, f"notification from {peer or 'any peer'}")
 

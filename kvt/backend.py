@@ -371,6 +371,20 @@ class Inbox:
             self._count = self._bytes = 0
         return out
 
+    def take_first(self, sender: str | None = None, match: bytes | None = None) -> tuple[str, bytes] | None:
+        """The oldest message (from ``sender``, equal to ``match``, if given), removed; ``None`` if none."""
+        with self._lock:
+            for s, msgs in self._msgs.items():
+                if sender not in (None, s):
+                    continue
+                for i, m in enumerate(msgs):
+                    if match is None or m == match:
+                        del msgs[i]
+                        self._count -= 1
+                        self._bytes -= len(m)
+                        return s, m
+        return None
+
 
 def unknown_peer(name: str, known) -> UnknownPeer:
     """The error for a peer nobody loaded, listing the ones that are."""

@@ -72,6 +72,25 @@ def test_wait_notif_times_out_and_filters():
             a.peer_info("zed")
 
 
+def test_wait_notif_keeps_what_it_skips_in_a_bounded_queue(caplog):
+    """A peer flooding an agent that waits for one message costs a bounded
+    amount of memory: beyond the queue's bound the newest are dropped, with a
+    warning; the awaited message is still returned."""
+    from kvt.backend import Inbox
+
+    with Agent(name="a") as a, Agent(name="b") as b:
+        b.add_peer(a.info())
+        a.add_peer(b.info())
+        a._pending = Inbox(max_msgs=3)
+        for i in range(5):
+            b.notify("a", b"m%d" % i)
+        b.notify("a", b"last")
+        with caplog.at_level("WARNING", logger="kvt.agent"):
+            assert a.wait_notif("b", timeout=5, match=b"last") == ("b", b"last")
+        assert a.get_notifs() == {"b": [b"m0", b"m1", b"m2"]}
+        assert "dropped" in caplog.text
+
+
 def test_shared_memory_segments_are_found_by_address():
     buf = memory.empty((16, 4096))
     view = buf[3:5]
