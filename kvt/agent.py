@@ -567,7 +567,7 @@ class Agent:
                 got, dropped = self._pending.take_first(peer, match), 0
                 for sender, msgs in self._received().items():
                     for m in msgs:
-                        if got is None and peer in (None, sender) and match in (None, m):
+                        if got is None and peer in (None, sender) and (match is None or m == match):
                             got = sender, m
                         elif not self._pending.deliver(sender, m):
                             dropped += 1
