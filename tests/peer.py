@@ -72,13 +72,15 @@ class Peer:
 
 
 @contextmanager
-def peer_process(name="peer", backend="host", options=None, shared=True, kind=None):
+def spawned(target, *args):
+    """``target(*args, q, cmd)`` in a spawned process: yields the process, its
+    reply and command queues and its first reply; stopped ("stop", then kill) after."""
     ctx = mp.get_context("spawn")
     q, cmd = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(name, backend, options or {}, shared, kind, q, cmd), daemon=True)
+    proc = ctx.Process(target=target, args=(*args, q, cmd), daemon=True)
     proc.start()
     try:
-        yield Peer(proc, q, cmd, q.get(timeout=60))
+        yield proc, q, cmd, q.get(timeout=60)
     finally:
         if proc.is_alive():
             cmd.put("stop")
@@ -86,3 +88,9 @@ def peer_process(name="peer", backend="host", options=None, shared=True, kind=No
         if proc.is_alive():
             proc.kill()
             proc.join(10)
+
+
+@contextmanager
+def peer_process(name="peer", backend="host", options=None, shared=True, kind=None):
+    with spawned(_serve, name, backend, options or {}, shared, kind) as (proc, q, cmd, first):
+        yield Peer(proc, q, cmd, first)

@@ -4,10 +4,10 @@ that no byte outside what was registered was read or written."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from contextlib import contextmanager
 
 import numpy as np
+from peer import spawned
 
 GUARD, REGION = 64 * 1024, 256 * 1024  # bytes each side, registered bytes
 GUARD_BYTE = 0xA5
@@ -17,7 +17,7 @@ def _fill(region: np.ndarray) -> None:
     region[:] = (np.arange(region.size) * 7 % 251).astype(np.uint8)
 
 
-def _serve(options, q, cmd, auth_key=None) -> None:
+def _serve(options, auth_key, q, cmd) -> None:
     import os
     if auth_key is not None:
         os.environ["KVT_AUTH_KEY"] = auth_key
@@ -65,16 +65,5 @@ class Owner:
 
 @contextmanager
 def owner_process(options=None, auth_key=None):
-    ctx = mp.get_context("spawn")
-    q, cmd = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(options or {}, q, cmd, auth_key), daemon=True)
-    proc.start()
-    try:
-        yield Owner(proc, q, cmd, *q.get(timeout=60))
-    finally:
-        if proc.is_alive():
-            cmd.put("stop")
-            proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
+    with spawned(_serve, options or {}, auth_key) as (proc, q, cmd, first):
+        yield Owner(proc, q, cmd, *first)
