@@ -4,6 +4,7 @@ backend (and the peer's memory) as it was."""
 from __future__ import annotations
 
 from pathlib import Path
+
 import msgspec
 import numpy as np
 import pytest
@@ -214,7 +215,7 @@ if sys.argv[1] == "keys":
     cases = {"original": {}, "memory type 46": {d: head + key[:8] + b"\x2e" + key[9:]},
              "memory type cuda": {d: head + key[:8] + b"\x01" + key[9:]}, "truncated": {d: head + key[:5]},
              "trailing byte": {d: head + key + b"\x01"}, "md record overruns": {d: head + key[:9] + b"\xc8" + key[10:]},
-             "VRAM section": {d - 2: b"\x01\x00\x00\x00"}}
+             "VRAM section": {d - 2: b"\x01\x00\x00\x00"}}  # d - 2: the list's memory type record
 else:
     cases = {"original": {}, "truncated": {c: address[:40]}}
     cases.update({p.name: {c: p.read_bytes()} for p in sorted(Path(sys.argv[2]).glob("nixl_address-*.bin"))})
