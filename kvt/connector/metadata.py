@@ -12,17 +12,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
 import msgspec
+from msgspec import Meta
 
 from ..errors import InvalidArgument, WireError
 
-__all__ = ["CONNECTOR_VERSION", "TransferParams", "RemoteSource", "RecvRequest",
+__all__ = ["CONNECTOR_VERSION", "MAX_TP", "TransferParams", "RemoteSource", "RecvRequest",
            "ConnectorMetadata", "ReadNotif"]
 
 #: bump when prefill and decode sides of different versions cannot pair
 CONNECTOR_VERSION = 1
+#: the largest prefill tensor-parallel size ``kv_transfer_params`` may name
+MAX_TP = 1024
+
+# kv_transfer_params reach the decode engine from whoever sends it requests:
+# bound what they can make it build or connect to
+_Id = Annotated[str, Meta(max_length=1024)]
+_Port = Annotated[int, Meta(ge=1, le=65535)]
+_Endpoint = Annotated[str, Meta(max_length=300, pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")]  # what kvt's side channel serves
+_BlockId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
 class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -37,21 +47,30 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
-    remote_block_ids: list[int] = []
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    tp_size: int = 1
-    remote_endpoints: list[str] = []
+    remote_block_ids: list[_BlockId] = []
+    remote_engine_id: _Id | None = None
+    remote_request_id: _Id | None = None
+    remote_host: Annotated[str, Meta(max_length=255, pattern=r"^[^\s/]+$")] | None = None
+    remote_port: _Port | None = None
+    tp_size: Annotated[int, Meta(ge=1, le=MAX_TP)] = 1
+    remote_endpoints: Annotated[list[_Endpoint], Meta(max_length=MAX_TP)] = []
     expires_at: float | None = None
     kvt_version: int = CONNECTOR_VERSION
 
+    def __post_init__(self) -> None:
+        # runs on parse too: a ValueError here is a ValidationError there
+        if any(int(e.rsplit(":", 1)[1]) > 65535 for e in self.remote_endpoints):
+            raise ValueError("remote_endpoints need tcp://host:port with a port of 1..65535")
+        if self.remote_port and self.remote_port + self.tp_size - 1 > 65535:
+            raise ValueError(f"remote_port {self.remote_port} + tp_size {self.tp_size} passes port 65535")
+
     @classmethod
     def parse(cls, params: Mapping[str, Any] | None) -> "TransferParams | None":
-        """``None`` for no params; ``InvalidArgument`` for malformed ones.
-        Unknown keys (a router's own) are ignored, and so are null values
-        (as vLLM's NixlConnector treats them)."""
+        """``None`` for no params; ``InvalidArgument`` for malformed ones
+        (wrong types, ``tp_size`` outside 1..``MAX_TP``, ports outside
+        1..65535, endpoints other than ``tcp://host:port``, negative block
+        ids, ids over 1,024 characters).  Unknown keys (a router's own) are
+        ignored, and so are null values (as vLLM's NixlConnector treats them)."""
         if not params:
             return None
         try:  # a null field is an absent one (vLLM's proxies send "remote_block_ids": null)

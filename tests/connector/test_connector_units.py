@@ -124,6 +124,30 @@ def test_transfer_params_parse():
     with pytest.raises(InvalidArgument, match="kv_transfer_params"):
         TransferParams.parse({"remote_block_ids": "not a list"})
     assert "version" in TransferParams(kvt_version=99).source_problem()
+    ok = TransferParams.parse({"remote_endpoints": ["tcp://10.0.0.5:5555", "tcp://[::1]:65535"], "tp_size": 2,
+                               "remote_block_ids": [0, 2**63 - 1]})
+    assert ok.endpoints() == ["tcp://10.0.0.5:5555", "tcp://[::1]:65535"]
+
+
+@pytest.mark.parametrize("hostile", [
+    {"remote_host": "h", "remote_port": 7000, "tp_size": 30_000_000},  # would build 30M endpoint strings
+    {"remote_host": "h", "remote_port": 7000, "tp_size": 0},  # no endpoints needed, then a division by zero
+    {"remote_host": "h", "remote_port": 70000},
+    {"remote_host": "h", "remote_port": 65535, "tp_size": 2},
+    {"remote_host": "h/x y", "remote_port": 7000},
+    {"remote_endpoints": ["ipc:///run/some.sock"]},  # kvt serves tcp only: nothing else is connected to
+    {"remote_endpoints": ["inproc://vllm-internal"]},
+    {"remote_endpoints": ["tcp://h:99999"]},
+    {"remote_endpoints": ["tcp://h:1"] * 1025, "tp_size": 1025},
+    {"remote_block_ids": [1, -1]},
+    {"remote_block_ids": [2**63]},
+    {"remote_engine_id": "e" * 1025},
+])
+def test_transfer_params_refuse_what_a_client_could_abuse(hostile):
+    """kv_transfer_params come from whoever sends the decode engine requests."""
+    base = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [1]}
+    with pytest.raises(InvalidArgument, match="malformed kv_transfer_params"):
+        TransferParams.parse({**base, **hostile})
 
 
 # -- compatibility ----------------------------------------------------------------

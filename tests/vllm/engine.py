@@ -29,9 +29,10 @@ class Engine:
 
     @classmethod
     def start(cls, name: str, model: Path, *, core: int, kv_transfer_config: dict | None = None,
-              env: dict[str, str] | None = None, log_dir: Path, wait: bool = True) -> "Engine":
+              env: dict[str, str] | None = None, log_dir: Path, wait: bool = True,
+              **llm_args: Any) -> "Engine":
         """Launch the engine; with ``wait=False`` call ``ready()`` before using it
-        (so several engines start at once)."""
+        (so several engines start at once).  ``llm_args`` override ``vllm.LLM``'s."""
         key = secrets.token_bytes(16)
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
@@ -42,7 +43,7 @@ class Engine:
             listener._listener._socket.settimeout(60)
             conn = listener.accept()
         engine = cls(proc, conn, name)
-        conn.send(("init", (dict(model=str(model), kv_transfer_config=kv_transfer_config),)))
+        conn.send(("init", (dict(model=str(model), kv_transfer_config=kv_transfer_config, **llm_args),)))
         if wait:
             engine.ready()
         return engine
@@ -106,7 +107,7 @@ def _child(address: str) -> None:
             elif op == "noise":
                 value = llm.collective_rpc(_noise_kv_caches)
             elif op == "metrics":
-                value = [(m.name, getattr(m, "value", getattr(m, "count", None))) for m in llm.get_metrics()]
+                value = _metrics(llm)
             else:
                 raise ValueError(f"unknown op {op!r}")
             conn.send((True, value))
@@ -115,12 +116,12 @@ def _child(address: str) -> None:
             conn.send((False, traceback.format_exc()))
 
 
-def _make_llm(model: str, kv_transfer_config: dict | None):
+def _make_llm(**args: Any):
     from vllm import LLM
 
-    return LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=BLOCK, max_model_len=2048,
-               enable_prefix_caching=False, enforce_eager=True, seed=0, max_num_seqs=8, disable_log_stats=False,
-               kv_transfer_config=kv_transfer_config)
+    return LLM(**{"skip_tokenizer_init": True, "dtype": "float32", "block_size": BLOCK, "max_model_len": 2048,
+                  "enable_prefix_caching": False, "enforce_eager": True, "seed": 0, "max_num_seqs": 8,
+                  "disable_log_stats": False, **args})
 
 
 def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None) -> list[dict]:
@@ -135,6 +136,17 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[
     seconds = time.perf_counter() - t0
     return [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
              "kv_transfer_params": o.kv_transfer_params, "seconds": seconds} for o in outs]
+
+
+def _metrics(llm: Any) -> list[tuple[str, Any]]:
+    """``(name, value)``: a counter's or gauge's value, a histogram's count,
+    and its sum as ``name + "_sum"``."""
+    out = []
+    for m in llm.get_metrics():
+        out.append((m.name, getattr(m, "value", getattr(m, "count", None))))
+        if hasattr(m, "sum"):
+            out.append((m.name + "_sum", m.sum))
+    return out
 
 
 def _noise_kv_caches(worker: Any) -> int:
