@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 
+from ..config import Config, load_config
 from ..errors import ConfigError
 
 __all__ = ["KVCacheSpec", "ConnectorConfig"]
@@ -116,6 +117,14 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                              f"({self.tp_size}): each rank holds an equal slice of heads")
         if self.side_channel_port and self.side_channel_port + self.tp_size - 1 > 65535:
             raise ConfigError(f"side_channel_port {self.side_channel_port} + tp_size exceeds 65535")
+
+    def kvt_config(self, **overrides: Any) -> Config:
+        """The kvt configuration of this engine's agents: ``backend`` and
+        ``backend_options`` from here, the rest (``auth_key`` above all) from
+        ``KVT_*`` variables and the ``KVT_CONFIG`` file."""
+        return load_config(backend=self.backend, options=self.backend_options or None,
+                           handshake_timeout=self.handshake_timeout, transfer_timeout=self.transfer_timeout,
+                           **overrides)
 
     @property
     def staging(self) -> bool:

@@ -12,11 +12,13 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import Annotated, Any, Mapping
 
 import msgspec
 from msgspec import Meta
 
+from ..auth import Secret
 from ..errors import InvalidArgument, WireError
 
 __all__ = ["CONNECTOR_VERSION", "MAX_TP", "TransferParams", "RemoteSource", "RecvRequest",
@@ -33,6 +35,7 @@ _Id = Annotated[str, Meta(max_length=1024)]
 _Port = Annotated[int, Meta(ge=1, le=65535)]
 _Endpoint = Annotated[str, Meta(max_length=300, pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")]  # what kvt's side channel serves
 _BlockId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+_PARAMS_LABEL = b"kv_transfer_params"
 
 
 class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -56,6 +59,8 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     remote_endpoints: Annotated[list[_Endpoint], Meta(max_length=MAX_TP)] = []
     expires_at: float | None = None
     kvt_version: int = CONNECTOR_VERSION
+    #: the prefill engine's tag over where to read (engines with ``auth_key``)
+    kvt_mac: Annotated[str, Meta(max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         # runs on parse too: a ValueError here is a ValidationError there
@@ -89,8 +94,22 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             return [f"tcp://{self.remote_host}:{self.remote_port + r}" for r in range(self.tp_size)]
         return []
 
-    def source_problem(self) -> str | None:
-        """Why these params cannot be read from, or None."""
+    def _signed(self) -> bytes:
+        # everything that says what to read and from whom (not the do_* flags, which engines flip)
+        return msgspec.msgpack.encode((self.kvt_version, self.remote_engine_id, self.remote_request_id,
+                                       self.remote_block_ids, self.endpoints(), self.tp_size, self.expires_at))
+
+    def sign(self, secret: Secret | None) -> "TransferParams":
+        """These params with ``kvt_mac`` set (unchanged without a secret)."""
+        if secret is None:
+            return self
+        return msgspec.structs.replace(self, kvt_mac=secret.sign(_PARAMS_LABEL, self._signed()).hex())
+
+    def source_problem(self, secret: Secret | None = None) -> str | None:
+        """Why these params cannot be read from, or None.  With ``secret``
+        (the engine's ``auth_key``) they must carry the prefill engine's tag:
+        whoever sends the decode engine requests cannot then name blocks the
+        prefill engine did not hand out."""
         if self.kvt_version != CONNECTOR_VERSION:
             return (f"kv_transfer_params come from kvt connector version {self.kvt_version}, this is "
                     f"{CONNECTOR_VERSION}; run the same kvt release on prefill and decode")
@@ -99,6 +118,13 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if len(self.endpoints()) != self.tp_size:
             return (f"kv_transfer_params give {len(self.endpoints())} endpoints for tp_size {self.tp_size}; "
                     "pass remote_endpoints (one per prefill rank) or remote_host and remote_port")
+        if secret is not None:
+            if self.kvt_mac is None:
+                return ("kv_transfer_params carry no kvt_mac but this engine has an auth_key: set the same "
+                        "auth_key (KVT_AUTH_KEY) on the prefill engine, and pass its params on unchanged")
+            if not hmac.compare_digest(self.kvt_mac, secret.sign(_PARAMS_LABEL, self._signed()).hex()):
+                return ("kv_transfer_params fail their kvt_mac check: altered or forged on the way, or the "
+                        "prefill engine has another auth_key")
         return None
 
 

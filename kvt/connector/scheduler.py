@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
+from ..auth import Secret
 from ..errors import InvalidArgument
 from .config import ConnectorConfig
 from .metadata import ConnectorMetadata, RecvRequest, RemoteSource, TransferParams
@@ -60,6 +61,8 @@ class ConnectorScheduler:
 
     def __init__(self, config: ConnectorConfig):
         self.config = config
+        key = config.kvt_config().auth_key
+        self._secret = Secret(key) if key is not None else None  # signs and checks kv_transfer_params
         self._endpoints = [config.endpoint(r) for r in range(config.tp_size)] if config.side_channel_port else []
         self._to_recv: dict[str, RecvRequest] = {}
         self._to_save: dict[str, list[int]] = {}
@@ -84,7 +87,7 @@ class ConnectorScheduler:
         p = TransferParams.parse(request.kv_transfer_params)
         if p is None or not p.do_remote_prefill:
             return None
-        if p.remote_block_ids and (why := p.source_problem()):
+        if p.remote_block_ids and (why := p.source_problem(self._secret)):
             raise InvalidArgument(f"request {request.request_id!r}: {why}")
         return p
 
@@ -171,7 +174,7 @@ class ConnectorScheduler:
                 p = TransferParams.parse(params)
             except InvalidArgument:
                 return False, None  # nothing we could have read, nobody to tell
-            if p.remote_block_ids and not p.source_problem():
+            if p.remote_block_ids and not p.source_problem(self._secret):
                 self._recv(req_id, p, [], [])
             return False, None
         if req_id in self._loading:
@@ -194,7 +197,7 @@ class ConnectorScheduler:
             remote_request_id=req_id, remote_host=self.config.side_channel_host,
             remote_port=self.config.side_channel_port or None, tp_size=self.config.tp_size,
             remote_endpoints=list(self._endpoints), expires_at=expires_at)
-        return bool(full), out.to_dict()
+        return bool(full), out.sign(self._secret if full else None).to_dict()
 
     def outstanding(self) -> dict[str, int]:
         """Work not yet handed to workers, and reads in flight."""

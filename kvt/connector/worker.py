@@ -34,7 +34,6 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..agent import Agent, Transfer, fetch_info
-from ..config import load_config
 from ..errors import (ClosedError, IncompatiblePeer, InvalidArgument, KvtError, PeerDisconnected,
                       TransferTimeout, WireError)
 from ..types import Op, PrepHandle
@@ -105,11 +104,9 @@ class ConnectorWorker:
             raise InvalidArgument(f"tp_rank must be in [0, {config.tp_size}), got {tp_rank}")
         self.config, self.rank = config, tp_rank
         port = config.side_channel_port + tp_rank if config.side_channel_port else 0
-        kvt_config = load_config(
-            backend=config.backend, options=config.backend_options or None,
+        self.agent = Agent(config=config.kvt_config(
             name=f"{config.engine_id}-tp{tp_rank}-{secrets.token_hex(3)}", listen_host=config.side_channel_host,
-            listen_port=port, handshake_timeout=config.handshake_timeout, transfer_timeout=config.transfer_timeout)
-        self.agent = Agent(config=kvt_config)
+            listen_port=port))
         self.consumer = f"{config.engine_id}:{tp_rank}"
         self.endpoint: str | None = None
         self._copy = copy_blocks

@@ -204,6 +204,47 @@ def test_prefill_holds_whole_blocks_and_returns_where_to_read():
     assert not sched.build_connector_meta()  # handed over once
 
 
+KEY = "k" * 32
+
+
+@pytest.mark.parametrize("change", [
+    {"remote_block_ids": [20, 21, 99]},  # a block the prefill engine did not hand out
+    {"remote_request_id": "someone-elses"},
+    {"remote_endpoints": ["tcp://10.9.9.9:7000"]},
+    {"expires_at": 2e9},
+    {"kvt_mac": None},
+    {"kvt_mac": "00" * 32},
+])
+def test_with_auth_key_decode_reads_only_params_the_prefill_engine_signed(monkeypatch, change):
+    monkeypatch.setenv("KVT_AUTH_KEY", KEY)
+    _, (_, params) = prefill_params([20, 21, 22])
+    assert len(params["kvt_mac"]) == 64
+    sched = ConnectorScheduler(config("d"))
+    good = EngineRequest("good", 12, dict(params))
+    assert sched.get_num_new_matched_tokens(good, 0) == (12, True)
+    sched.update_state_after_alloc(good, [5, 6, 7], 12)
+    assert sched.build_connector_meta().reqs_to_recv["good"].remote.block_ids == [20, 21, 22]
+    forged = EngineRequest("forged", 12, {**params, **change})
+    with pytest.raises(InvalidArgument, match="kvt_mac"):
+        sched.get_num_new_matched_tokens(forged, 0)
+    # ended before it was scheduled: nobody is told anything on its say-so either
+    assert sched.request_finished(forged, [], aborted=True) == (False, None)
+    assert not sched.build_connector_meta()
+
+
+def test_auth_key_on_one_side_only(monkeypatch):
+    _, (_, unsigned) = prefill_params([20, 21])
+    monkeypatch.setenv("KVT_AUTH_KEY", KEY)
+    with pytest.raises(InvalidArgument, match="no kvt_mac .* same auth_key"):
+        ConnectorScheduler(config("d")).get_num_new_matched_tokens(EngineRequest("r", 8, unsigned), 0)
+    _, (_, signed) = prefill_params([20, 21])
+    monkeypatch.setenv("KVT_AUTH_KEY", "o" * 32)
+    with pytest.raises(InvalidArgument, match="another auth_key"):
+        ConnectorScheduler(config("d")).get_num_new_matched_tokens(EngineRequest("r", 8, signed), 0)
+    monkeypatch.delenv("KVT_AUTH_KEY")  # a decode engine without a key does not check
+    assert ConnectorScheduler(config("d")).get_num_new_matched_tokens(EngineRequest("r", 8, signed), 0) == (8, True)
+
+
 def test_prefill_frees_short_and_aborted_requests_at_once():
     sched = ConnectorScheduler(config("p", side_channel_port=7000))
     delay, params = sched.request_finished(EngineRequest("short", 3, {"do_remote_decode": True}), [1])

