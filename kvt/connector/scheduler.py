@@ -29,7 +29,7 @@ nothing and the prefill side frees it at once.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
@@ -56,6 +56,33 @@ class EngineRequest:
     kv_transfer_params: dict[str, Any] | None = field(default=None)
 
 
+class _Spent:
+    """Prefill requests this engine already read from or released, kept until
+    their lease ends: params used twice (a router's retry, a replay) would
+    read blocks the prefill engine has freed and maybe given to another
+    request.  At most ``MAX`` entries, oldest dropped."""
+
+    MAX = 1 << 20
+
+    def __init__(self) -> None:
+        self._by: dict[tuple[str, str], tuple[float, str]] = {}  # (engine, request) -> (until, our request)
+        self._order: deque[tuple[float, tuple[str, str]]] = deque()
+
+    def user(self, key: tuple[str, str]) -> str | None:
+        """Our request that used ``key``, if its lease has not ended."""
+        hit = self._by.get(key)
+        return hit[1] if hit is not None and hit[0] > time.time() else None
+
+    def add(self, key: tuple[str, str], until: float, req_id: str) -> None:
+        now = time.time()
+        while self._order and (self._order[0][0] <= now or len(self._order) >= self.MAX):
+            old_until, old = self._order.popleft()
+            if self._by.get(old, (None,))[0] == old_until:
+                del self._by[old]
+        self._by[key] = (until, req_id)
+        self._order.append((until, key))
+
+
 class ConnectorScheduler:
     """Scheduler side of one engine."""
 
@@ -69,6 +96,7 @@ class ConnectorScheduler:
         self._to_send: dict[str, float] = {}
         self._loading: set[str] = set()
         self._saved: dict[str, int] = {}  # host staging: blocks of each prefill request saved so far
+        self._spent = _Spent()
 
     def set_worker_endpoints(self, endpoints: Mapping[int, str]) -> None:
         """The handshake endpoint of every rank (each worker's
@@ -87,9 +115,19 @@ class ConnectorScheduler:
         p = TransferParams.parse(request.kv_transfer_params)
         if p is None or not p.do_remote_prefill:
             return None
-        if p.remote_block_ids and (why := p.source_problem(self._secret)):
+        if p.remote_block_ids and (why := self._problem(p)):
             raise InvalidArgument(f"request {request.request_id!r}: {why}")
         return p
+
+    def _problem(self, p: TransferParams) -> str | None:
+        """Why the blocks ``p`` names must not be read (or released) on its say-so."""
+        if why := p.source_problem(self._secret):
+            return why
+        if user := self._spent.user((p.remote_engine_id, p.remote_request_id)):
+            return (f"its kv_transfer_params (prefill request {p.remote_request_id!r} of {p.remote_engine_id!r}) "
+                    f"were used already, by request {user!r}; the prefill engine frees those blocks after one "
+                    "read: hand each prefill's params to one decode request")
+        return None
 
     def _end_block(self, request: Request, p: TransferParams) -> int:
         """Blocks that come from the prefill side: the prompt's whole blocks."""
@@ -135,6 +173,8 @@ class ConnectorScheduler:
             self._recv(request.request_id, p, list(block_ids[start:end]), p.remote_block_ids[start:end])
 
     def _recv(self, req_id: str, p: TransferParams, local: list[int], remote: list[int]) -> None:
+        until = p.expires_at if p.expires_at is not None else time.time() + self.config.abort_request_timeout
+        self._spent.add((p.remote_engine_id, p.remote_request_id), until, req_id)
         self._to_recv[req_id] = RecvRequest(local_block_ids=local, remote=RemoteSource(
             engine_id=p.remote_engine_id, request_id=p.remote_request_id, block_ids=remote,
             endpoints=p.endpoints(), tp_size=p.tp_size, expires_at=p.expires_at))
@@ -174,7 +214,7 @@ class ConnectorScheduler:
                 p = TransferParams.parse(params)
             except InvalidArgument:
                 return False, None  # nothing we could have read, nobody to tell
-            if p.remote_block_ids and not p.source_problem(self._secret):
+            if p.remote_block_ids and not self._problem(p):
                 self._recv(req_id, p, [], [])
             return False, None
         if req_id in self._loading:

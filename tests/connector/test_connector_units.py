@@ -12,6 +12,7 @@ import pytest
 from kvt.connector import (ConnectorConfig, ConnectorMetadata, ConnectorScheduler, EngineRequest,
                            FinishedAggregator, KVCacheSpec, ReadNotif, TransferParams)
 from kvt.connector.compat import WorkerCard, check_peer
+from kvt.connector.scheduler import _Spent
 from kvt.connector.tp import Slice, part_layout, plan_reads, readers_per_rank, remote_ranks
 from kvt.errors import ConfigError, IncompatiblePeer, InvalidArgument, WireError
 from kvt.wire import AgentInfo, BlockLayout
@@ -185,9 +186,9 @@ def test_a_peer_without_a_card_is_refused():
 # -- scheduler side ---------------------------------------------------------------
 
 
-def prefill_params(block_ids, **kw):
+def prefill_params(block_ids, req_id="p-req", **kw):
     p = ConnectorScheduler(config("p", side_channel_port=7000, **kw))
-    req = EngineRequest("p-req", len(block_ids) * 4, {"do_remote_decode": True})
+    req = EngineRequest(req_id, len(block_ids) * 4, {"do_remote_decode": True})
     return p, p.request_finished(req, block_ids)
 
 
@@ -290,13 +291,44 @@ def test_decode_prefix_hits():
     partial = EngineRequest("partial", 16, dict(params))
     n, _ = sched.get_num_new_matched_tokens(partial, 4)  # first block cached here
     sched.update_state_after_alloc(partial, [5, 6, 7, 8], n)
-    full = EngineRequest("full", 16, dict(params))
+    full = EngineRequest("full", 16, dict(prefill_params([20, 21, 22, 23], "p-req-2")[1][1]))
     assert sched.get_num_new_matched_tokens(full, 16) == (0, False)
     sched.update_state_after_alloc(full, [1, 2, 3, 4], 0)
     meta = sched.build_connector_meta().reqs_to_recv
     assert (meta["partial"].local_block_ids, meta["partial"].remote.block_ids) == ([6, 7, 8], [21, 22, 23])
     # a full hit only tells the prefill side it may free
     assert (meta["full"].local_block_ids, meta["full"].remote.block_ids) == ([], [])
+
+
+def test_params_are_used_once():
+    """A second request with the same params (a retry, a replay) is refused:
+    the prefill engine frees the blocks after the first read or release."""
+    _, (_, params) = prefill_params([20, 21])
+    sched = ConnectorScheduler(config("d"))
+    first = EngineRequest("first", 8, dict(params))
+    sched.update_state_after_alloc(first, [5, 6], sched.get_num_new_matched_tokens(first, 0)[0])
+    assert list(sched.build_connector_meta().reqs_to_recv) == ["first"]
+    again = EngineRequest("again", 8, dict(params))
+    with pytest.raises(InvalidArgument, match="used already, by request 'first'"):
+        sched.get_num_new_matched_tokens(again, 0)
+    assert sched.request_finished(again, [], aborted=True) == (False, None)  # no second notification
+    # released without a read (ended before it was scheduled) counts as used too
+    _, (_, released) = prefill_params([30], "p-req-2")
+    assert sched.request_finished(EngineRequest("gone", 4, dict(released)), [], aborted=True) == (False, None)
+    assert list(sched.build_connector_meta().reqs_to_recv) == ["gone"]
+    with pytest.raises(InvalidArgument, match="used already, by request 'gone'"):
+        sched.get_num_new_matched_tokens(EngineRequest("retry", 4, dict(released)), 0)
+
+
+def test_spent_params_are_forgotten_when_their_lease_ends_and_bounded(monkeypatch):
+    monkeypatch.setattr(_Spent, "MAX", 2)
+    spent, now = _Spent(), time.time()
+    spent.add(("p", "over"), now - 1, "a")
+    assert spent.user(("p", "over")) is None  # the prefill engine refuses it by then anyway
+    for i in range(3):
+        spent.add(("p", str(i)), now + 60, f"d{i}")
+    assert [spent.user(("p", str(i))) for i in range(3)] == [None, "d1", "d2"]
+    assert len(spent._by) == 2
 
 
 def test_decode_request_ended_before_scheduling_lets_prefill_free():

@@ -91,9 +91,9 @@ def test_shutdown_is_idempotent_and_final(workers):
         w.get_finished()
 
 
-def handoff(prefill_sched, prefill_workers, block_ids, prompt_len):
-    """A prefill request finishes and its hold reaches every prefill worker."""
-    req = EngineRequest("req", prompt_len, {"do_remote_decode": True})
+def handoff(prefill_sched, prefill_workers, block_ids, prompt_len, req_id="req"):
+    """Prefill request ``req_id`` finishes and its hold reaches every prefill worker."""
+    req = EngineRequest(req_id, prompt_len, {"do_remote_decode": True})
     delay, params = prefill_sched.request_finished(req, block_ids)
     assert delay
     meta = prefill_sched.build_connector_meta()
@@ -192,7 +192,7 @@ def test_read_that_lost_its_peer_is_retried_once(workers, monkeypatch):
     monkeypatch.setattr(d.agent.backend, "check_state", flaky)
     for req_id, losses, blocks in (("once", 1, [1, 2]), ("twice", 2, [3, 4])):
         lose["left"] = losses
-        params = handoff(psched, [p], blocks, 8)
+        params = handoff(psched, [p], blocks, 8, f"p-{req_id}")
         dreq = EngineRequest(f"d-{req_id}", 8, dict(params))
         dsched.update_state_after_alloc(dreq, [5, 6], dsched.get_num_new_matched_tokens(dreq, 0)[0])
         d_done = [set(), set()]
