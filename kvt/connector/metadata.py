@@ -60,7 +60,7 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     expires_at: float | None = None
     kvt_version: int = CONNECTOR_VERSION
     #: the prefill engine's tag over where to read (engines with ``auth_key``)
-    kvt_mac: Annotated[str, Meta(max_length=64)] | None = None
+    kvt_mac: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")] | None = None
 
     def __post_init__(self) -> None:
         # runs on parse too: a ValueError here is a ValidationError there

@@ -143,6 +143,8 @@ def test_transfer_params_parse():
     {"remote_block_ids": [1, -1]},
     {"remote_block_ids": [2**63]},
     {"remote_engine_id": "e" * 1025},
+    {"kvt_mac": "\u00e9" * 64},  # hmac.compare_digest raises TypeError on non-ASCII str
+    {"kvt_mac": "ab"},
 ])
 def test_transfer_params_refuse_what_a_client_could_abuse(hostile):
     """kv_transfer_params come from whoever sends the decode engine requests."""
