@@ -57,7 +57,7 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     remote_port: _Port | None = None
     tp_size: Annotated[int, Meta(ge=1, le=MAX_TP)] = 1
     remote_endpoints: Annotated[list[_Endpoint], Meta(max_length=MAX_TP)] = []
-    expires_at: float | None = None
+    expires_at: Annotated[float, Meta(ge=0, le=1e11)] | None = None  # finite: NaN never compares
     kvt_version: int = CONNECTOR_VERSION
     #: the prefill engine's tag over where to read (engines with ``auth_key``)
     kvt_mac: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")] | None = None
@@ -78,6 +78,8 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         ignored, and so are null values (as vLLM's NixlConnector treats them)."""
         if not params:
             return None
+        if not isinstance(params, Mapping):
+            raise InvalidArgument(f"malformed kv_transfer_params: a {type(params).__name__}, not a JSON object")
         try:  # a null field is an absent one (vLLM's proxies send "remote_block_ids": null)
             return msgspec.convert({k: v for k, v in dict(params).items() if v is not None}, cls, strict=False)
         except msgspec.ValidationError as e:

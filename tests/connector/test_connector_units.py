@@ -145,12 +145,20 @@ def test_transfer_params_parse():
     {"remote_engine_id": "e" * 1025},
     {"kvt_mac": "\u00e9" * 64},  # hmac.compare_digest raises TypeError on non-ASCII str
     {"kvt_mac": "ab"},
+    {"expires_at": float("nan")},  # never expires, never leaves the replay memory
+    {"expires_at": float("inf")},
 ])
 def test_transfer_params_refuse_what_a_client_could_abuse(hostile):
     """kv_transfer_params come from whoever sends the decode engine requests."""
     base = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r", "remote_block_ids": [1]}
     with pytest.raises(InvalidArgument, match="malformed kv_transfer_params"):
         TransferParams.parse({**base, **hostile})
+
+
+@pytest.mark.parametrize("not_an_object", [[1, 2], "abc", 5, [("do_remote_prefill", True)]])
+def test_transfer_params_that_are_not_an_object_are_refused(not_an_object):
+    with pytest.raises(InvalidArgument, match="not a JSON object"):
+        TransferParams.parse(not_an_object)
 
 
 # -- compatibility ----------------------------------------------------------------

@@ -192,12 +192,54 @@ def targets():
         inside add_remote_agent."""
         return nixl_record(lambda t, v: t == b"c" and len(v) > 0)
 
+    def kv_transfer_params():
+        """A prefill engine's signed params, mutated, through a decode engine's
+        scheduler, with and without a key (a client of the decode engine sends
+        them; the blob is their msgpack form of the JSON object)."""
+        from kvt.connector import ConnectorConfig, ConnectorScheduler, EngineRequest, KVCacheSpec
+        spec = KVCacheSpec(model="m", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4)
+
+        def scheduler(engine_id, key=None, **kw):
+            os.environ.pop("KVT_AUTH_KEY", None)
+            if key:
+                os.environ["KVT_AUTH_KEY"] = key
+            try:
+                return ConnectorScheduler(ConnectorConfig(engine_id=engine_id, kv=spec, **kw))
+            finally:
+                os.environ.pop("KVT_AUTH_KEY", None)
+        key = "fuzz-" + "k" * 32
+        _, params = scheduler("p", key, side_channel_port=7000).request_finished(
+            EngineRequest("p-req", 16, {"do_remote_decode": True}), [3, 4, 5, 6])
+        signed = ((3, 4, 5, 6), "p", "p-req", ("tcp://127.0.0.1:7000",), 1)
+        decoders = [scheduler("d"), scheduler("d", key)]
+        counter = iter(range(1 << 62))
+
+        def feed(blob):
+            try:
+                params = msgspec.msgpack.decode(blob)
+            except (msgspec.DecodeError, ValueError, RecursionError):  # bad UTF-8 included
+                return  # not JSON-shaped: vLLM never hands such params over
+            for sched in decoders:
+                sched._spent = type(sched._spent)()  # each blob judged alone, not as a replay of the last
+                req = EngineRequest(f"r{next(counter)}", 18, dict(params) if isinstance(params, dict) else params)
+                try:
+                    n, _ = sched.get_num_new_matched_tokens(req, 0)
+                    sched.update_state_after_alloc(req, [1, 2, 3, 4, 5], n)
+                except Exception as e:  # noqa: BLE001
+                    _kvt_only(e)
+                for r in sched.build_connector_meta().reqs_to_recv.values():
+                    got = (tuple(r.remote.block_ids), r.remote.engine_id, r.remote.request_id,
+                           tuple(r.remote.endpoints), r.remote.tp_size)
+                    assert sched._secret is None or got == signed, f"read what the prefill engine did not sign: {got}"
+        return msgspec.msgpack.encode(params), feed
+
     def ucx_add_remote():
         from kvt_ucx.backend import UcxBackend
         return add_remote_of(UcxBackend, {"ucx": {"NET_DEVICES": "lo"}, "timeout": 2})
 
     return {f.__name__: f for f in (wire_agent_info, wire_handshake, host_add_remote, host_server,
-                                    nixl_add_remote, nixl_rkey, nixl_address, ucx_add_remote)}
+                                    nixl_add_remote, nixl_rkey, nixl_address, ucx_add_remote,
+                                    kv_transfer_params)}
 
 
 def _kvt_only(e: BaseException) -> None:
