@@ -188,9 +188,9 @@ class ReadNotif(_Packed, msgspec.Struct, frozen=True, array_like=True, tag="kvt-
 
     _what = "kvt read notification"
 
-    request_id: str
-    consumer: str
-    consumer_tp: int
+    request_id: _Id
+    consumer: Annotated[str, Meta(max_length=256)]
+    consumer_tp: Annotated[int, Meta(ge=1, le=MAX_TP)]
     ok: bool = True
 
 

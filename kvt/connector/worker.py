@@ -49,6 +49,9 @@ __all__ = ["ConnectorWorker"]
 log = logging.getLogger(__name__)
 _LAYOUT = "kv"
 _SLACK = 5.0  # seconds past transfer_timeout before we stop waiting on a backend
+# notifications for requests we do not hold (yet): legitimately a few at a time (a read that
+# beat its hold), so a peer naming made-up requests or readers is bounded here, oldest dropped
+MAX_EARLY, MAX_EARLY_READERS = 1024, 64
 
 
 @dataclass
@@ -266,14 +269,24 @@ class ConnectorWorker:
                 except WireError as e:
                     log.warning("ignoring a notification from %s: %s", sender, e)
                     continue
-                entry = self._sends.get(n.request_id)
-                if entry is None:  # before its reqs_to_send (or after it expired)
-                    entry = self._early.setdefault(n.request_id, _Send())
+                entry = self._sends.get(n.request_id) or self._early_entry(n.request_id)
+                if entry is None:
+                    continue
                 entry.readers.add(n.consumer)
                 entry.expected = readers_per_rank(self.config.tp_size, n.consumer_tp)
                 if n.request_id in self._sends and len(entry.readers) >= entry.expected:
                     del self._sends[n.request_id]
                     self._release_send(n.request_id)
+
+    def _early_entry(self, req_id: str) -> _Send | None:
+        """The entry of a request not held (before its reqs_to_send, or after
+        it expired); None once it has all the readers we keep."""
+        entry = self._early.get(req_id)
+        if entry is None:
+            if len(self._early) >= MAX_EARLY:
+                del self._early[next(iter(self._early))]
+            entry = self._early[req_id] = _Send()
+        return entry if len(entry.readers) < MAX_EARLY_READERS else None
 
     def _release_send(self, req_id: str) -> None:
         self.stats["released_by_readers"] += 1
@@ -287,8 +300,11 @@ class ConnectorWorker:
                         req_id, len(s.readers), s.expected)
             self.stats["expired"] += 1
             self._done_sending.add(req_id)
-        for req_id in [r for r, s in self._early.items() if mono - s.seen > self.config.abort_request_timeout]:
-            del self._early[req_id]  # a reader of a request we never held (or already released)
+        while self._early:  # oldest first: a reader of a request we never held (or already released)
+            req_id, s = next(iter(self._early.items()))
+            if mono - s.seen <= self.config.abort_request_timeout:
+                break
+            del self._early[req_id]
 
     # -- decode side ----------------------------------------------------------
 

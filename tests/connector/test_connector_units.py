@@ -114,6 +114,10 @@ def test_metadata_round_trips_and_rejects_garbage():
         ReadNotif.decode(b"not a notification")
     n = ReadNotif("r", "d:0", 2)
     assert ReadNotif.decode(n.encode()) == n
+    for bad in (ReadNotif("r", "d:0", 0), ReadNotif("r", "d:0", 1025), ReadNotif("r", "d" * 257, 1),
+                ReadNotif("r" * 1025, "d:0", 1)):  # a peer's: bounded before it is kept
+        with pytest.raises(WireError):
+            ReadNotif.decode(bad.encode())
 
 
 def test_transfer_params_parse():

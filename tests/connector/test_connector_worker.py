@@ -157,6 +157,35 @@ def test_notification_before_the_hold(workers):
     assert p_done[0] == {"req"} and not any(p.outstanding().values())
 
 
+def test_notifications_for_requests_not_held_are_bounded(workers, monkeypatch):
+    """A peer naming made-up requests, or one request with made-up readers,
+    costs the prefill worker a bounded set-aside (oldest dropped); a real
+    early reader is still honoured."""
+    import kvt.connector.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "MAX_EARLY", 8)
+    monkeypatch.setattr(worker_module, "MAX_EARLY_READERS", 4)
+    p, _, endpoint = workers("p", fill=True)
+    d, _, _ = workers("d")
+    psched = ConnectorScheduler(config("p"))
+    psched.set_worker_endpoints({0: endpoint})
+    _, params = psched.request_finished(EngineRequest("req", 8, {"do_remote_decode": True}), [1, 2])
+    prefill_peer = d.agent.connect(endpoint)
+    flood = [ReadNotif(f"made-up-{i}", "d:0", 1) for i in range(50)]
+    flood += [ReadNotif("made-up-49", f"reader-{i}", 1024) for i in range(50)]
+    for n in flood:
+        d.agent.notify(prefill_peer, n.encode())
+    p_done = [set(), set()]
+    held_for = lambda req_id: getattr(p._early.get(req_id), "readers", ())  # noqa: E731
+    pump([(p, p_done)], lambda: p.outstanding()["early_notifs"] == 8 and len(held_for("made-up-49")) == 4)
+    assert "made-up-0" not in p._early  # the oldest went first
+    d.agent.notify(prefill_peer, ReadNotif("req", "d:0", 1).encode())  # the real reader, before the hold
+    pump([(p, p_done)], lambda: "req" in p._early)
+    p.start_load_kv(psched.build_connector_meta())
+    pump([(p, p_done)], lambda: "req" in p_done[0])
+    assert p_done[0] == {"req"} and p.stats["released_by_readers"] == 1
+
+
 def test_host_staging_copies_blocks_both_ways():
     device = [torch.randn(6, 2, 3), torch.randn(6, 2, 3)]
     staging = HostStaging(device)
