@@ -1,0 +1,76 @@
+"""What checking ``kv_transfer_params`` costs a decode engine's scheduler per
+request, with and without ``auth_key`` (signing on the prefill side, the tag
+check and the used-once memory on the decode side).
+
+    python benchmarks/bench_params.py [--blocks 16,1024,100000] [--reps 200]
+
+Per request: the prefill scheduler's ``request_finished`` (signs with a
+key), then the decode scheduler's ``get_num_new_matched_tokens`` and
+``update_state_after_alloc`` (each parses and checks the params, as vLLM
+calls them) and ``build_connector_meta``.  Without a key is the baseline of
+the same run; ``json`` is a ``json.loads(json.dumps(params))`` round trip,
+what the params cost the router and vLLM's HTTP layer anyway.  Medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from kvt.connector import ConnectorConfig, ConnectorScheduler, EngineRequest, KVCacheSpec
+
+SPEC = KVCacheSpec(model="m", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_size=16)
+
+
+def schedulers(key: str | None) -> tuple[ConnectorScheduler, ConnectorScheduler]:
+    os.environ.pop("KVT_AUTH_KEY", None)
+    if key:
+        os.environ["KVT_AUTH_KEY"] = key
+    try:
+        return (ConnectorScheduler(ConnectorConfig(engine_id="p", kv=SPEC, side_channel_port=7000)),
+                ConnectorScheduler(ConnectorConfig(engine_id="d", kv=SPEC)))
+    finally:
+        os.environ.pop("KVT_AUTH_KEY", None)
+
+
+def one(prefill: ConnectorScheduler, decode: ConnectorScheduler, blocks: list[int], i: int) -> tuple[float, float, float]:
+    """(prefill seconds, decode seconds, json round-trip seconds) of one request."""
+    tokens = len(blocks) * SPEC.block_size
+    t0 = time.perf_counter()
+    _, params = prefill.request_finished(EngineRequest(f"p{i}", tokens, {"do_remote_decode": True}), blocks)
+    prefill.build_connector_meta()
+    t1 = time.perf_counter()
+    params = json.loads(json.dumps(params))
+    t2 = time.perf_counter()
+    req = EngineRequest(f"d{i}", tokens, params)
+    n, _ = decode.get_num_new_matched_tokens(req, 0)
+    decode.update_state_after_alloc(req, blocks, n)
+    assert decode.build_connector_meta().reqs_to_recv
+    t3 = time.perf_counter()
+    return t1 - t0, t3 - t2, t2 - t1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--blocks", default="16,1024,100000")
+    ap.add_argument("--reps", type=int, default=200)
+    args = ap.parse_args()
+    print(f"{'blocks':>8} {'key':>4} {'prefill us':>11} {'decode us':>10} {'json us':>8}")
+    for nblocks in map(int, args.blocks.split(",")):
+        blocks = list(range(nblocks))
+        reps = max(5, args.reps * 1024 // max(nblocks, 1024))
+        pairs = {"no": schedulers(None), "yes": schedulers("bench-" + "k" * 32)}
+        times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in pairs}
+        for i in range(reps):  # alternate, so machine load hits both alike
+            for k, (p, d) in pairs.items():
+                times[k].append(one(p, d, blocks, i))
+        for k, ts in times.items():
+            med = [statistics.median(t[j] for t in ts) * 1e6 for j in range(3)]
+            print(f"{nblocks:>8} {k:>4} {med[0]:>11.1f} {med[1]:>10.1f} {med[2]:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
