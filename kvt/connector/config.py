@@ -91,7 +91,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One engine's connector settings (the same on its scheduler and workers)."""
 
-    engine_id: Annotated[str, msgspec.Meta(min_length=1)]
+    engine_id: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]  # peers refuse reader names > 256
     kv: KVCacheSpec
     tp_size: _Pos = 1
     #: kvt backend (None: KVT_BACKEND, the KVT_CONFIG file, or ``host``)

@@ -86,6 +86,8 @@ def test_part_layout_addresses_slices_of_parts():
 def test_config_from_dict_names_the_bad_field():
     with pytest.raises(ConfigError, match="tp_size"):
         ConnectorConfig.from_dict({"engine_id": "e", "kv": msgspec.to_builtins(SPEC), "tp_size": 0})
+    with pytest.raises(ConfigError, match="engine_id"):  # its reader names would be refused by peers
+        ConnectorConfig.from_dict({"engine_id": "e" * 201, "kv": msgspec.to_builtins(SPEC)})
     with pytest.raises(ConfigError, match="multiple of tp_size"):
         config(tp=3)
     with pytest.raises(ConfigError, match="dtype"):
