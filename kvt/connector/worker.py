@@ -52,6 +52,7 @@ _SLACK = 5.0  # seconds past transfer_timeout before we stop waiting on a backen
 # notifications for requests we do not hold (yet): legitimately a few at a time (a read that
 # beat its hold), so a peer naming made-up requests or readers is bounded here, oldest dropped
 MAX_EARLY, MAX_EARLY_READERS = 1024, 64
+QUIET = 10.0  # seconds between the warnings a peer's bad notifications can cause
 
 
 @dataclass
@@ -134,7 +135,8 @@ class ConnectorWorker:
         self._failures: dict[str, str] = {}
         self._live = 0  # transfer handles posted and not yet released
         self.stats = dict.fromkeys(("reads", "bytes_read", "recv_ok", "recv_failed", "notified_only",
-                                    "released_by_readers", "expired", "retried"), 0)
+                                    "released_by_readers", "expired", "retried", "bad_notifs"), 0)
+        self._warned_at = -QUIET
         self._timings: list[tuple[float, float, int, int]] = []  # finished reads since take_timings
         self._closed = False
 
@@ -267,7 +269,7 @@ class ConnectorWorker:
                 try:
                     n = ReadNotif.decode(raw)
                 except WireError as e:
-                    log.warning("ignoring a notification from %s: %s", sender, e)
+                    self._bad_notif(sender, e)
                     continue
                 entry = self._sends.get(n.request_id) or self._early_entry(n.request_id)
                 if entry is None:
@@ -277,6 +279,14 @@ class ConnectorWorker:
                 if n.request_id in self._sends and len(entry.readers) >= entry.expected:
                     del self._sends[n.request_id]
                     self._release_send(n.request_id)
+
+    def _bad_notif(self, sender: str, e: WireError) -> None:
+        # counted always, logged at most once per QUIET seconds: a flooding peer must not fill the log
+        self.stats["bad_notifs"] += 1
+        if (now := time.monotonic()) - self._warned_at >= QUIET:
+            self._warned_at = now
+            log.warning("ignoring a notification from %s: %s (%d ignored so far; at most one such line per "
+                        "%gs)", sender, e, self.stats["bad_notifs"], QUIET)
 
     def _early_entry(self, req_id: str) -> _Send | None:
         """The entry of a request not held (before its reqs_to_send, or after

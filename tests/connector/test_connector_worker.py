@@ -186,6 +186,17 @@ def test_notifications_for_requests_not_held_are_bounded(workers, monkeypatch):
     assert p_done[0] == {"req"} and p.stats["released_by_readers"] == 1
 
 
+def test_bad_notifications_are_counted_and_logged_at_most_once_per_quiet_period(workers, caplog):
+    p, _, endpoint = workers("p")
+    d, _, _ = workers("d")
+    prefill_peer = d.agent.connect(endpoint)
+    for i in range(20):
+        d.agent.notify(prefill_peer, b"not a read notification %d" % i)
+    with caplog.at_level("WARNING", logger="kvt.connector.worker"):
+        pump([(p, [set(), set()])], lambda: p.stats["bad_notifs"] == 20)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"ignoring a notification from {d.agent.name}"]
+
+
 def test_host_staging_copies_blocks_both_ways():
     device = [torch.randn(6, 2, 3), torch.randn(6, 2, 3)]
     staging = HostStaging(device)
