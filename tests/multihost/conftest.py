@@ -1,5 +1,6 @@
 """Fixtures for tests across test hosts (network namespaces): skipped with the
-reason where namespaces cannot be made (not root, no iproute2/iptables)."""
+reason where namespaces cannot be made (not root, no iproute2/iptables), or
+failed under ``KVT_REQUIRE_HOSTS=1``."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import time
 
 import pytest
 
-from cluster import Node, hosts_unavailable
+from cluster import Node, hosts_unavailable, skip_unless_required
 from netns import Network
 
 
 @pytest.fixture
 def net():
     if why := hosts_unavailable():
-        pytest.skip(f"test hosts unavailable: {why}")
+        skip_unless_required(f"test hosts unavailable: {why}")
     with Network(2) as n:
         yield n
 
@@ -43,7 +44,7 @@ def etcd(net):
     import urllib.request
 
     if not shutil.which("etcd"):
-        pytest.skip("etcd not installed (scripts/dev setup installs the etcd-server package as root)")
+        skip_unless_required("etcd is not installed (`scripts/dev test` installs the etcd-server package as root)")
     host = net.hosts[0]
     with tempfile.TemporaryDirectory() as data:
         client, peer = f"http://{host.addr}:2379", f"http://{host.addr}:2380"

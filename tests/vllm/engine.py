@@ -104,8 +104,8 @@ def _child(address: str) -> None:
                 value = None
             elif op == "generate":
                 value = _generate(llm, *args)
-            elif op == "noise":
-                value = llm.collective_rpc(_noise_kv_caches)
+            elif op == "noise":  # args: (rank,) or () for every rank
+                value = sum(llm.collective_rpc(_noise_kv_caches, args=args))
             elif op == "metrics":
                 value = _metrics(llm)
             else:
@@ -149,10 +149,14 @@ def _metrics(llm: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def _noise_kv_caches(worker: Any) -> int:
-    """Overwrite every KV cache block of this worker with noise (test only)."""
+def _noise_kv_caches(worker: Any, rank: int | None = None) -> int:
+    """Overwrite every KV cache block of this worker with noise, if it is
+    tensor-parallel rank ``rank`` (any rank if None); returns how many
+    elements (test only)."""
     import torch
 
+    if rank is not None and worker.rank != rank:
+        return 0
     caches = worker.model_runner.kv_caches
     n = 0
     for t in (caches.values() if isinstance(caches, dict) else caches):
