@@ -108,6 +108,10 @@ def _child(address: str) -> None:
                 value = sum(llm.collective_rpc(_noise_kv_caches, args=args))
             elif op == "metrics":
                 value = _metrics(llm)
+            elif op == "abort_after":
+                value = _abort_after(llm, *args)
+            elif op == "scheduler":
+                value = _scheduler_state(llm)
             else:
                 raise ValueError(f"unknown op {op!r}")
             conn.send((True, value))
@@ -136,6 +140,40 @@ def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[
     seconds = time.perf_counter() - t0
     return [{"tokens": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
              "kv_transfer_params": o.kv_transfer_params, "seconds": seconds} for o in outs]
+
+
+def _abort_after(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict | None],
+                 seconds: float, timeout: float = 120.0) -> list[dict]:
+    """Add the requests, step the engine, abort them all after ``seconds``,
+    step until the engine has nothing left: ``{"finish_reason", "tokens"}``
+    per request as its last output said (None if it never produced one)."""
+    from vllm import SamplingParams
+
+    engine, ids, last = llm.llm_engine, [f"abort-{i}-{time.monotonic_ns()}" for i in range(len(prompts))], {}
+    for rid, prompt, p in zip(ids, prompts, params):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
+            extra_args={"kv_transfer_params": p} if p is not None else None))
+    t0, aborted = time.monotonic(), False
+    while engine.has_unfinished_requests() or not aborted:
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"requests unfinished {timeout}s after abort")
+        if not aborted and time.monotonic() - t0 >= seconds:
+            engine.abort_request(ids)
+            aborted = True
+        for o in engine.step():
+            last[o.request_id] = {"finish_reason": o.outputs[0].finish_reason, "tokens": list(o.outputs[0].token_ids)}
+        time.sleep(0.01)
+    return [last.get(rid) for rid in ids]
+
+
+def _scheduler_state(llm: Any) -> dict:
+    """What the engine core's scheduler holds: requests it still tracks and
+    free KV blocks (needs the engine core in this process, as here)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    return {"requests": len(sched.requests), "free_blocks": pool.get_num_free_blocks(),
+            "blocks": pool.num_gpu_blocks}
 
 
 def _metrics(llm: Any) -> list[tuple[str, Any]]:
