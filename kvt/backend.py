@@ -23,6 +23,8 @@ Contract every backend keeps (the conformance suite checks each):
   a typed error *before* any byte moves.
 * A dead or unreachable peer turns in-flight transfers into ``ERR`` within
   the configured ``timeout`` option.  Nothing hangs; nothing leaks.
+* With ``capabilities.stops_on_err``: once a transfer is ``ERR`` (or
+  released), none of its bytes land any more, whatever the peer does next.
 * Only :mod:`kvt.errors` escapes.
 * Operations outside ``capabilities`` raise ``UnsupportedOperation``.
 * ``close`` is idempotent; every other verb raises ``ClosedError`` after it.

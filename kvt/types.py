@@ -122,6 +122,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     #: UCX's shm transports...), so two agents on one host talk as across hosts; the
     #: conformance suite runs its cross_host tests with them
     cross_host_options: dict[str, Any] = {}
+    #: once a transfer has ended (``ERR`` included) none of its bytes land any more, even
+    #: from a peer that stopped answering and runs again: an engine may reuse the memory of
+    #: a failed READ at once (it does: vLLM gives the blocks of a failed load to the next request)
+    stops_on_err: bool = False
     #: how the owner of memory refuses requests for memory it has not registered now:
     #: ``"server"`` (a target-side server checks each request and answers ``RemoteRejected``)
     #: or ``"transport"`` (one-sided: the transport's remote keys exist only for registered

@@ -55,7 +55,7 @@ def test_backends_json_console_script_lists_host_usable():
     assert host["capabilities"]["mem_kinds"][0] == "DRAM" and "READ" in host["capabilities"]["ops"]
     assert rows["fake"]["capabilities"] == {
         "mem_kinds": ["DRAM", "VRAM"], "ops": ["READ"], "notifications": False, "local": True,
-        "remote": True, "cross_host": False, "max_notif_bytes": 0, "cross_host_options": {}, "owner_check": ""}
+        "remote": True, "cross_host": False, "max_notif_bytes": 0, "cross_host_options": {}, "owner_check": "", "stops_on_err": False}
     assert rows["unusable"]["usable"] is False and "fake interconnect" in rows["unusable"]["reason"]
     broken = rows["broken"]
     assert broken["capabilities"] is None and broken["usable"] is False

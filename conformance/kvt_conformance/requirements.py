@@ -29,7 +29,7 @@ __all__ = ["NOT_DECLARED", "UNAVAILABLE", "MARKER", "NEEDS", "requires", "unmet"
 NOT_DECLARED = "not declared"
 UNAVAILABLE = "declared, unavailable here"
 MARKER = "kvt_requires"
-_FLAGS = ("local", "remote", "cross_host", "notifications")
+_FLAGS = ("local", "remote", "cross_host", "notifications", "stops_on_err")
 NEEDS = (*_FLAGS, *(o.value for o in Op), *(k.value for k in MemKind))
 
 #: ``@requires("remote", ...)``: the marker every suite uses

@@ -101,7 +101,7 @@ class {cls}(Backend):
     # set a field to False / empty where you will not support it.
     capabilities = Capabilities(mem_kinds=frozenset({{MemKind.DRAM}}), ops=frozenset(Op), notifications=True,
                                 local=True, remote=True, cross_host=False, max_notif_bytes=64 * 1024,
-                                cross_host_options={{}}, owner_check="server")
+                                cross_host_options={{}}, owner_check="server", stops_on_err=True)
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         super().__init__(agent_name, options)  # validates 'timeout'

@@ -120,6 +120,45 @@ class FaultTests(BackendFixtures):
         expect_done(backend, posted[0], wait_for)
         assert_bytes(near.read(), vbuf.read())
 
+    @requires("remote", "READ", "stops_on_err")
+    def test_remote_read_ended_in_err_writes_nothing_later(self, make_backend, local_buffer, spawn_peer, target,
+                                                          wait_for):
+        """A READ from a peer that stopped answering ends in ERR, and once it
+        has, no byte of it lands in local memory, even when the peer runs
+        again: an engine reuses the memory of a failed load at once (vLLM
+        gives the blocks to the next request).  Run with the backend's
+        ``cross_host_options``, so that a stopped peer stalls the READ on one
+        host too (same-host shortcuts read a stopped process's memory)."""
+        opts = dict(target.caps.cross_host_options)
+        backend = make_backend(timeout=self.fault_timeout, **opts)
+        victim = spawn_peer(timeout=self.fault_timeout, **opts)
+        vbuf, vname = victim.alloc(BLOCK * N, seed=7), backend.add_remote(victim.metadata())
+        near = local_buffer(BLOCK * N, owner=backend)
+        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
+        victim.stop()
+        try:
+            h = backend.transfer(Op.READ, lp, None, rp, None)
+            state = settle(backend, h, wait_for)
+            if state.done:
+                pytest.skip(f"the READ completed with the peer stopped, even with {opts}: nothing stalled")
+            assert isinstance(state.cause, TransferError), state
+            near.write(np.zeros(BLOCK * N, np.uint8))  # what landed before the ERR is allowed
+            backend.release(h)
+        finally:
+            victim.resume()
+        # the peer answers again: give a late READ every chance to land (a transfer with the
+        # same peer progresses the backend; it may fail, the peer having been given up)
+        other = local_buffer(BLOCK, owner=backend)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                settle(backend, backend.transfer(Op.READ, backend.prep(None, other.blocks(BLOCK, [0])), None,
+                                                 backend.prep(vname, vbuf.blocks(BLOCK, [0])), None), wait_for)
+            except KvtError:
+                pass
+            time.sleep(0.1)
+        assert not near.read().any(), "bytes of a READ that had ended in ERR landed after it had"
+
     @requires("remote")
     def test_remove_remote_ends_in_flight_transfers(self, backend, local_buffer, spawn_peer, target, wait_for):
         victim, vbuf, vname = self._victim(backend, spawn_peer)

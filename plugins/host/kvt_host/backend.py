@@ -349,7 +349,8 @@ class HostBackend(Backend):
     uses_auth_key = True  # its data server and peer sockets are authenticated with the agent's auth_key
     capabilities = Capabilities(mem_kinds=frozenset(MemKind), ops=frozenset(Op), notifications=True,
                                 local=True, remote=True, cross_host=True, max_notif_bytes=1 << 20,
-                                cross_host_options={"transport": "tcp"}, owner_check="server")
+                                cross_host_options={"transport": "tcp"}, owner_check="server",
+                                stops_on_err=True)  # a late answer is dropped; a timed-out stream is closed
 
     @classmethod
     def availability(cls) -> Availability:

@@ -10,11 +10,14 @@ the worker's event fd; polling ``check_state`` also progresses the worker.
 
 Dead peers: UCX's peer error handling disables its fast same-host transport
 (cross-memory attach: 10 GB/s -> 0.7 GB/s over TCP here), so endpoints to
-same-host peers run without it.  A dead same-host peer is still reported:
+same-host peers run without it (unless the settings leave out every
+same-host transport).  A dead same-host peer is still reported:
 the C progress thread watches a pidfd of each same-host peer and fails its
 endpoint when the process exits (no cost per transfer).
 Endpoints to other hosts use peer error handling.  Every transfer also has a
-deadline (``timeout``).  See docs/backends/ucx.md.
+deadline (``timeout``); a peer that misses it is disconnected (the endpoint
+force-closed, which cancels what is in flight), so a transfer in ERR writes
+nothing later.  See docs/backends/ucx.md.
 
 Options: ``timeout`` (s, default 30), ``error_handling`` (``auto`` | ``peer``
 | ``none``), ``ucx_env`` (UCX_* settings, as for the nixl backend, e.g.
@@ -77,6 +80,7 @@ class _Peer:
     same_host: bool
     epoch: EpochWatch | None = None  # same host: cma ignores remote keys, so we watch its deregistrations
     pidfd: int = -1                  # same host: readable once it exited (our own dup of the C watch's)
+    failed: TransferError | None = None  # it stopped answering: disconnected until its metadata is re-added
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,20 @@ class _Xfer:
 def _caps() -> Capabilities:
     return Capabilities(mem_kinds=frozenset({MemKind.DRAM}), ops=frozenset(Op), notifications=True, local=True,
                         remote=True, cross_host=True, max_notif_bytes=_MAX_NOTIF,
-                        cross_host_options={"ucx": {"TLS": "tcp"}}, owner_check="transport")
+                        cross_host_options={"ucx": {"TLS": "tcp"}}, owner_check="transport",
+                        stops_on_err=True)  # a peer that misses a deadline is force-disconnected (_fail)
+
+
+def _shm_possible(config: Mapping[str, str]) -> bool:
+    """Whether UCX may move bytes between processes of this host through
+    memory (cross-memory attach or shared segments; its default transports
+    include both) under these settings.  Those transports lack, or are turned
+    off by, peer error handling: then same-host endpoints run without it."""
+    tls = config.get("TLS", os.environ.get("UCX_TLS", "all")).strip()
+    names = {t.strip() for t in tls.lstrip("^").split(",")}
+    if tls.startswith("^"):  # an exclusion list
+        return not (names & {"sm", "shm"} or names >= {"cma", "posix", "sysv", "xpmem", "knem"})
+    return bool(names & {"all", "sm", "shm", "cma", "posix", "sysv", "xpmem", "knem"})
 
 
 def _ucx_config(options: Mapping[str, Any]) -> dict[str, str]:
@@ -158,7 +175,7 @@ class UcxBackend(Backend):
             raise ConfigError(f"ucx backend option 'split_bytes' must be an integer >= 0 (0: never split), "
                               f"got {split!r}")
         config = _ucx_config(o)
-        self._ucp, self._config = native.load(), config
+        self._ucp, self._config, self._shm = native.load(), config, _shm_possible(config)
         try:
             self._worker = self._ucp.Worker(agent_name.encode(), config, _MAX_NOTIF, queue, 64 * _MAX_NOTIF, split)
             self._address = self._worker.address()
@@ -235,7 +252,7 @@ class UcxBackend(Backend):
         except Exception as e:
             raise WireError(f"metadata of {md.name!r}: bad region rows: {e}") from None
         same_host = md.host == self._host
-        peer_mode = self._mode == "peer" or (self._mode == "auto" and not same_host)
+        peer_mode = self._mode == "peer" or (self._mode == "auto" and not (same_host and self._shm))
         if not ours:
             vet.vet(self._config, self._address, md.address, md.rkeys, peer_mode, md.name)
         # an agent in this same process cannot die on its own: nothing to watch
@@ -278,7 +295,7 @@ class UcxBackend(Backend):
         with self._lock:
             old = self._peers.pop(md.name, None)
             self._peers[md.name] = peer
-        if old is not None:
+        if old is not None and old.failed is None:  # a failed one is disconnected already
             self._drop(old, PeerDisconnected(f"peer {md.name!r} was replaced by new metadata"))
         return md.name
 
@@ -289,6 +306,16 @@ class UcxBackend(Backend):
         if p is None:
             raise unknown_peer(peer, self._peers)
         self._drop(p, PeerDisconnected(f"peer {peer!r} was removed"))
+
+    def _fail(self, p: _Peer, cause: TransferError) -> None:
+        """``p`` did not finish a transfer in time: disconnect it.  Closing the
+        endpoint (forced where UCX handles peer errors, i.e. across hosts)
+        completes what is in flight to it, so no byte of a transfer lands
+        after the transfer has ended in ERR: the caller may reuse that memory
+        at once.  Later transfers to it fail until its metadata is re-added."""
+        p.failed = PeerDisconnected(f"peer {p.md.name!r} stopped answering ({cause}); "
+                                    "re-add its metadata to try again")
+        self._drop(p, cause)
 
     def _drop(self, p: _Peer, cause: TransferError) -> None:
         """End transfers to ``p`` with ``cause``, then free its keys and endpoint."""
@@ -359,6 +386,12 @@ class UcxBackend(Backend):
             peer = self._peer(rp.peer)
             if rp.peer is None and len(peer.keys) != len(self._regions.of(MemKind.DRAM)):
                 raise InvalidArgument("registrations changed since this local prep; prep the descriptors again")
+        if peer.failed is not None:
+            x = _Xfer(op, peer, None, 0.0)
+            x.state = XferState.err(peer.failed)
+            h = next(self._ids)
+            self._xfers[h] = x
+            return h  # type: ignore[return-value]
         if peer.epoch is not None and peer.epoch.stale:
             raise RemoteRejected(f"peer {rp.peer!r} deregistered memory since its metadata was loaded; "
                                  "re-add its metadata (it may no longer offer these rows)")
@@ -398,8 +431,12 @@ class UcxBackend(Backend):
         if st == native.INPROGRESS:
             now = time.monotonic()
             if now > x.deadline:
-                self._end(x, XferState.err(TransferTimeout(
-                    f"{x.op.value} with {x.peer.md.name!r} did not complete within {self.timeout:g}s")))
+                cause = TransferTimeout(f"{x.op.value} with {x.peer.md.name!r} did not complete within "
+                                        f"{self.timeout:g}s")
+                if x.peer is self._self:
+                    self._end(x, XferState.err(cause))  # our own memory: nobody to disconnect
+                else:
+                    self._fail(x.peer, cause)
             elif (err := x.peer.ep.error()) != 0:  # UCX's error handling, or the pid watch, failed the peer
                 self._end(x, XferState.err(native.error_of(err, f"{x.op.value} with {x.peer.md.name!r}")))
         elif st == 0:

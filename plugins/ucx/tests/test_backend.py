@@ -43,6 +43,21 @@ def test_ucx_env_takes_the_nixl_backends_spelling():
         UcxBackend("x", {"ucx_env": {"UCX_NO_SUCH_SETTING_XYZ": "1"}}).close()
 
 
+@pytest.mark.parametrize("tls, shm", [(None, True), ("all", True), ("cma,tcp,self", True), ("posix,self", True),
+                                      ("sm", True), ("tcp", False), ("tcp,self", False), ("rc,ud,self", False),
+                                      ("^tcp", True), ("^sm", False), ("^cma,posix,sysv,xpmem,knem", False)])
+def test_same_host_endpoints_use_peer_error_handling_only_without_same_host_transports(tls, shm, monkeypatch):
+    # peer error handling lets a timed-out peer be force-closed (nothing lands after ERR),
+    # but same-host transports lack it or are turned off by it
+    from kvt_ucx.backend import _shm_possible
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert _shm_possible({} if tls is None else {"TLS": tls}) is shm
+    if tls is not None:
+        monkeypatch.setenv("UCX_TLS", tls)
+        assert _shm_possible({}) is shm
+
+
 def test_ucx_status_codes_map_into_kvt_tree():
     assert isinstance(native.error_of(-25, "op"), PeerDisconnected)    # connection reset
     assert isinstance(native.error_of(-80, "op"), PeerDisconnected)    # endpoint timeout
