@@ -387,11 +387,7 @@ class UcxBackend(Backend):
             if rp.peer is None and len(peer.keys) != len(self._regions.of(MemKind.DRAM)):
                 raise InvalidArgument("registrations changed since this local prep; prep the descriptors again")
         if peer.failed is not None:
-            x = _Xfer(op, peer, None, 0.0)
-            x.state = XferState.err(peer.failed)
-            h = next(self._ids)
-            self._xfers[h] = x
-            return h  # type: ignore[return-value]
+            return self._given_up(op, peer)
         if peer.epoch is not None and peer.epoch.stale:
             raise RemoteRejected(f"peer {rp.peer!r} deregistered memory since its metadata was loaded; "
                                  "re-add its metadata (it may no longer offer these rows)")
@@ -400,6 +396,8 @@ class UcxBackend(Backend):
         try:  # contiguous int64/int32 arrays (or None) go to C as they are
             nx = self._worker.post(op is _WRITE, peer.ep, lp.local, local_idx, rp.remote, remote_idx, peer.keys, notif)
         except (ValueError, BufferError, TypeError) as e:
+            if peer.failed is not None:  # disconnected meanwhile (a deadline seen by another thread)
+                return self._given_up(op, peer)
             li, ri = _index(local_idx), _index(remote_idx)
             if li is local_idx and ri is remote_idx:  # they were fine: the pairs are not
                 raise InvalidArgument(f"cannot post this {op.value}: {e}") from None
@@ -410,6 +408,14 @@ class UcxBackend(Backend):
         h = next(self._ids)  # the base class's id space (a C iterator: atomic under the GIL)
         self._xfers[h] = _Xfer(op, peer, nx, time.monotonic() + self.timeout)
         return h  # type: ignore[return-value]  (XferHandle is an int)
+
+    def _given_up(self, op: Op, peer: _Peer) -> XferHandle:
+        """A transfer to a peer we disconnected: ERR from the start."""
+        x = _Xfer(op, peer, None, 0.0)
+        x.state = XferState.err(peer.failed)
+        h = next(self._ids)
+        self._xfers[h] = x
+        return h  # type: ignore[return-value]
 
     def _end(self, x: _Xfer, state: XferState) -> None:
         if x.state.pending:
