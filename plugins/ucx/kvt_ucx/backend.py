@@ -309,10 +309,11 @@ class UcxBackend(Backend):
 
     def _fail(self, p: _Peer, cause: TransferError) -> None:
         """``p`` did not finish a transfer in time: disconnect it.  Closing the
-        endpoint (forced where UCX handles peer errors, i.e. across hosts)
-        completes what is in flight to it, so no byte of a transfer lands
-        after the transfer has ended in ERR: the caller may reuse that memory
-        at once.  Later transfers to it fail until its metadata is re-added."""
+        endpoint (forced where it has UCX's peer error handling: every peer
+        a transfer can stall on) cancels what is in flight to it, so no byte
+        of a transfer lands after the transfer has ended in ERR: the caller
+        may reuse that memory at once.  Later transfers to it fail until its
+        metadata is re-added."""
         p.failed = PeerDisconnected(f"peer {p.md.name!r} stopped answering ({cause}); "
                                     "re-add its metadata to try again")
         self._drop(p, cause)
