@@ -309,11 +309,13 @@ class UcxBackend(Backend):
 
     def _fail(self, p: _Peer, cause: TransferError) -> None:
         """``p`` did not finish a transfer in time: disconnect it.  Closing the
-        endpoint (forced where it has UCX's peer error handling: every peer
-        a transfer can stall on) cancels what is in flight to it, so no byte
-        of a transfer lands after the transfer has ended in ERR: the caller
-        may reuse that memory at once.  Later transfers to it fail until its
-        metadata is re-added."""
+        endpoint (forced where it has UCX's peer error handling) cancels what
+        is in flight to it, so no byte of a transfer lands after the transfer
+        has ended in ERR: the caller may reuse that memory at once.  (A
+        same-host endpoint has none while shared-memory transports are
+        configured: over cma this process makes the copy itself and it ends;
+        over posix/sysv segments alone a stalled one can still land.)  Later
+        transfers to it fail until its metadata is re-added."""
         p.failed = PeerDisconnected(f"peer {p.md.name!r} stopped answering ({cause}); "
                                     "re-add its metadata to try again")
         self._drop(p, cause)
