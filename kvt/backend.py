@@ -210,6 +210,22 @@ class Backend(abc.ABC):
                 f"{type(self).__name__} does not support {kind.value} memory; it declares "
                 f"{sorted(k.value for k in self.capabilities.mem_kinds)}")
 
+    def _prep_descs(self, descs: Any) -> Descs:
+        """The checks every ``prep`` starts with: the backend is open and
+        ``descs`` is a ``Descs`` of a memory kind it declares."""
+        self._check_open()
+        descs = Descs.coerce(descs)
+        self._check_kind(descs.kind)
+        return descs
+
+    @staticmethod
+    def _within(descs: Descs, regions: Descs | None, peer: str | None) -> np.ndarray:
+        """``descs.check_within(regions)`` worded for whose memory it is: this
+        agent's (``peer`` None) or a peer's, as its metadata told (``regions``
+        None: it told of none of that kind).  Returns each row's region index."""
+        return descs.check_within(regions if regions is not None else Descs.empty(descs.kind),
+                                  "local descriptors" if peer is None else f"descriptors of peer {peer!r}")
+
     def _check_op(self, op: Any, notif: bytes | None) -> Op:
         if type(op) is not Op:  # Op(op) costs a microsecond; most callers pass an Op already
             try:

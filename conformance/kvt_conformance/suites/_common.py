@@ -46,6 +46,8 @@ def assert_bytes(got: np.ndarray, want: np.ndarray, what: str = "destination") -
 #: the contract tests' transfers: many non-contiguous blocks, several MiB in all,
 #: repeated, so that a backend that signals before its last byte lands is seen doing it
 CONTRACT_BLOCK, CONTRACT_BLOCKS, CONTRACT_REPEATS = 8192, 512, 6
+#: each side's buffer: twice the blocks moved, so that ``scattered`` leaves gaps
+CONTRACT_BYTES = 2 * CONTRACT_BLOCK * CONTRACT_BLOCKS
 
 
 def scattered(seed: int, nblocks: int = CONTRACT_BLOCKS) -> tuple[np.ndarray, np.ndarray]:
@@ -53,3 +55,31 @@ def scattered(seed: int, nblocks: int = CONTRACT_BLOCKS) -> tuple[np.ndarray, np
     (near ids, far ids), different each ``seed``, no two rows contiguous in order."""
     rng = np.random.default_rng(seed)
     return rng.permutation(nblocks) * 2, rng.permutation(nblocks) * 2 + 1
+
+
+
+def contract_setup(backend: Any, local_buffer: Any, peer: Any) -> tuple[Any, Any, Any, Any]:
+    """The contract tests' buffers, ``CONTRACT_BYTES`` on each side, every
+    block prepped, the peer added: ``(near, far, local prep, remote prep)``."""
+    near, far = local_buffer(CONTRACT_BYTES), peer.alloc(CONTRACT_BYTES)
+    name = backend.add_remote(peer.metadata())
+    every = np.arange(2 * CONTRACT_BLOCKS)
+    return (near, far, backend.prep(None, near.blocks(CONTRACT_BLOCK, every)),
+            backend.prep(name, far.blocks(CONTRACT_BLOCK, every)))
+
+
+def contract_source(op: Op, near: Any, far: Any, peer: Any, seed: int) -> np.ndarray:
+    """Fill the source side of ``op`` from ``seed`` (for a READ also zero this
+    agent's buffer, its destination) and return the source's bytes."""
+    if op is Op.WRITE:
+        return near.fill(seed)
+    peer.fill_blocks(far.key, CONTRACT_BLOCK, list(range(2 * CONTRACT_BLOCKS)), seed)
+    near.write(np.zeros(CONTRACT_BYTES, np.uint8))
+    return far.read()
+
+
+def moved(src: np.ndarray, src_ids: Any, dst_ids: Any) -> np.ndarray:
+    """A zeroed contract buffer after blocks ``src_ids`` of ``src`` were copied to ``dst_ids``."""
+    want = np.zeros((2 * CONTRACT_BLOCKS, CONTRACT_BLOCK), np.uint8)
+    want[dst_ids] = src.reshape(-1, CONTRACT_BLOCK)[src_ids]
+    return want.ravel()

@@ -13,7 +13,8 @@ from kvt.types import MemKind, Op, Status
 
 from ..fixtures import BackendFixtures, expect_done
 from ..requirements import requires
-from ._common import CONTRACT_BLOCK, CONTRACT_REPEATS, assert_bytes, destination, expected, scattered, seeds
+from ._common import (CONTRACT_REPEATS, assert_bytes, contract_setup, contract_source, destination, expected,
+                      moved, scattered, seeds)
 
 
 class CompletionTests(BackendFixtures):
@@ -93,23 +94,11 @@ class CompletionTests(BackendFixtures):
         destination is checked: this agent's memory for a READ, the peer's
         (the target's) for a WRITE.  DONE means the last byte landed, not
         that the request was sent."""
-        blk, size = CONTRACT_BLOCK, 2 * CONTRACT_BLOCK * len(scattered(0)[0])
-        near, far = local_buffer(size), peer.alloc(size)
-        name = backend.add_remote(peer.metadata())
-        every = np.arange(size // blk)
-        lp, rp = backend.prep(None, near.blocks(blk, every)), backend.prep(name, far.blocks(blk, every))
+        near, far, lp, rp = contract_setup(backend, local_buffer, peer)
         for rep in range(CONTRACT_REPEATS):
             near_ids, far_ids = scattered(100 + rep)
-            seed = 3000 + rep
-            if op is Op.WRITE:
-                src = near.fill(seed)
-            else:
-                peer.fill_blocks(far.key, blk, every.tolist(), seed)
-                src = far.read()
-                near.write(np.zeros(size, np.uint8))
-            want = np.zeros((size // blk, blk), np.uint8)
-            dst_ids, src_ids = (far_ids, near_ids) if op is Op.WRITE else (near_ids, far_ids)
-            want[dst_ids] = src.reshape(-1, blk)[src_ids]
+            src = contract_source(op, near, far, peer, 3000 + rep)
+            want = moved(src, near_ids, far_ids) if op is Op.WRITE else moved(src, far_ids, near_ids)
             handle = backend.transfer(op, lp, near_ids, rp, far_ids)
             deadline = time.monotonic() + wait_for
             state = backend.check_state(handle)
@@ -118,7 +107,7 @@ class CompletionTests(BackendFixtures):
             got = (near if op is Op.READ else far).read()  # first thing after DONE
             assert not state.pending, f"repetition {rep}: {op.value} still PROC after {wait_for:g}s"
             assert state.done, f"repetition {rep}: {op.value} ended {state!r}, expected DONE"
-            assert_bytes(got, want.ravel(), f"repetition {rep}: {'this agent' if op is Op.READ else 'the peer'}'s "
+            assert_bytes(got, want, f"repetition {rep}: {'this agent' if op is Op.READ else 'the peer'}'s "
                          f"memory when the {op.value} first reported DONE (report DONE only once the last byte "
                          "landed at the destination, e.g. after the target acknowledged a WRITE)")
             backend.release(handle)

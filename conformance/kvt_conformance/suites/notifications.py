@@ -13,7 +13,8 @@ from kvt.types import Op
 
 from ..fixtures import BackendFixtures, expect_done
 from ..requirements import requires
-from ._common import CONTRACT_BLOCK, CONTRACT_REPEATS, assert_bytes, scattered
+from ._common import (CONTRACT_BLOCK, CONTRACT_BLOCKS, CONTRACT_BYTES, CONTRACT_REPEATS, assert_bytes, contract_setup,
+                      contract_source, moved, scattered)
 
 
 def collect(backend, sender: str, count: int, timeout: float, polling=None) -> list[bytes]:
@@ -138,23 +139,11 @@ class NotificationTests(BackendFixtures):
         the notification tells the owner its memory was read, so the peer
         overwrites it at that instant; the initiator's copy must still be
         the original (an early notification lets the overwrite leak in)."""
-        blk, size = CONTRACT_BLOCK, 2 * CONTRACT_BLOCK * len(scattered(0)[0])
-        near, far = local_buffer(size), peer.alloc(size)
-        name = backend.add_remote(peer.metadata())
-        every = np.arange(size // blk)
-        lp, rp = backend.prep(None, near.blocks(blk, every)), backend.prep(name, far.blocks(blk, every))
+        near, far, lp, rp = contract_setup(backend, local_buffer, peer)
         for rep in range(CONTRACT_REPEATS):
             near_ids, far_ids, msg = *scattered(rep), b"notif-%d" % rep
-            seed = 1000 + rep
-            src = near.fill(seed) if op is Op.WRITE else None
-            if op is Op.READ:
-                peer.fill_blocks(far.key, blk, every.tolist(), seed)
-                src = far.read()
-            want = np.zeros((size // blk, blk), np.uint8)
-            dst_ids, src_ids = (far_ids, near_ids) if op is Op.WRITE else (near_ids, far_ids)
-            want[dst_ids] = src.reshape(-1, blk)[src_ids]
-            if op is Op.READ:
-                near.write(np.zeros(size, np.uint8))
+            src = contract_source(op, near, far, peer, 1000 + rep)
+            want = moved(src, near_ids, far_ids) if op is Op.WRITE else moved(src, far_ids, near_ids)
             peer.start_spin(backend.agent_name, msg, far.key, wait_for, scribble=op is Op.READ)
             handle = backend.transfer(op, lp, near_ids, rp, far_ids, notif=msg)
             expect_done(backend, handle, wait_for)
@@ -164,11 +153,11 @@ class NotificationTests(BackendFixtures):
                 f"repetition {rep}: the notification attached to a {op.value} never reached the peer; "
                 "deliver a transfer's notif to the peer (the target) once its bytes have moved")
             if op is Op.WRITE:
-                assert_bytes(np.frombuffer(snap[0], np.uint8), want.ravel(),
+                assert_bytes(np.frombuffer(snap[0], np.uint8), want,
                              f"repetition {rep}: peer memory the instant the WRITE's notification appeared "
                              "(send the notification only after the last byte landed at the target)")
             else:
-                assert_bytes(near.read(), want.ravel(),
+                assert_bytes(near.read(), want,
                              f"repetition {rep}: READ data, when the peer overwrote its memory the instant the "
                              "READ's notification appeared (send it only after the last byte was read)")
 
@@ -176,19 +165,16 @@ class NotificationTests(BackendFixtures):
     def test_attached_notif_follows_every_byte_locally(self, backend, local_buffer, op, wait_for):
         """A local transfer's notification comes to this agent (sender: its
         own name), and only once every byte is at the destination."""
-        blk, size = CONTRACT_BLOCK, 2 * CONTRACT_BLOCK * len(scattered(0)[0])
-        a, b = local_buffer(size), local_buffer(size)
-        every = np.arange(size // blk)
-        ap, bp = backend.prep(None, a.blocks(blk, every)), backend.prep(None, b.blocks(blk, every))
+        a, b = local_buffer(CONTRACT_BYTES), local_buffer(CONTRACT_BYTES)
+        every = np.arange(2 * CONTRACT_BLOCKS)
+        ap, bp = (backend.prep(None, x.blocks(CONTRACT_BLOCK, every)) for x in (a, b))
         me = backend.agent_name
         for rep in range(CONTRACT_REPEATS):
             a_ids, b_ids, msg = *scattered(rep), b"local-%d" % rep
             src, dst = (b, a) if op is Op.READ else (a, b)
             data = src.fill(2000 + rep)
-            dst.write(np.zeros(size, np.uint8))
-            want = np.zeros((size // blk, blk), np.uint8)
-            src_ids, dst_ids = (b_ids, a_ids) if op is Op.READ else (a_ids, b_ids)
-            want[dst_ids] = data.reshape(-1, blk)[src_ids]
+            dst.write(np.zeros(CONTRACT_BYTES, np.uint8))
+            want = moved(data, b_ids, a_ids) if op is Op.READ else moved(data, a_ids, b_ids)
             handle = backend.transfer(op, ap, a_ids, bp, b_ids, notif=msg)
             deadline, got, snapshot = time.monotonic() + wait_for, [], None
             while snapshot is None and time.monotonic() < deadline:  # spin: no sleep
@@ -200,7 +186,7 @@ class NotificationTests(BackendFixtures):
             assert snapshot is not None, (
                 f"repetition {rep}: no notification {msg!r} from {me!r} (this agent) within {wait_for:g}s; "
                 f"got {got[:5]!r}. A local transfer's notif goes to the agent itself, with its own name as sender")
-            assert_bytes(snapshot, want.ravel(), f"repetition {rep}: local {op.value} destination the instant "
+            assert_bytes(snapshot, want, f"repetition {rep}: local {op.value} destination the instant "
                          "its notification appeared (deliver it only after the last byte landed)")
             expect_done(backend, handle, wait_for)
             backend.release(handle)

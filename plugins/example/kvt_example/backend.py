@@ -157,11 +157,8 @@ class ExampleBackend(Backend):
     # -- transfers ------------------------------------------------------------
 
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
-        self._check_open()
-        descs = Descs.coerce(descs)
-        self._check_kind(descs.kind)
-        regions = self._regions.of(descs.kind) if peer is None else self._peer_regions(peer)
-        descs.check_within(regions, "local descriptors" if peer is None else f"descriptors of peer {peer!r}")
+        descs = self._prep_descs(descs)
+        self._within(descs, self._regions.of(descs.kind) if peer is None else self._peer_regions(peer), peer)
         h = self._next_id()
         self._preps[h] = (peer, descs)
         return PrepHandle(h)

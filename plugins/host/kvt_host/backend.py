@@ -459,16 +459,10 @@ class HostBackend(Backend):
     # -- transfers ------------------------------------------------------------
 
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
-        self._check_open()
-        descs = Descs.coerce(descs)
-        self._check_kind(descs.kind)
-        if peer is None:
-            descs.check_within(self._regions.of(descs.kind), "local descriptors")
-        else:
-            descs.check_within(self._peer(peer).regions.get(descs.kind, Descs.empty(descs.kind)),
-                               f"descriptors of peer {peer!r}")
-        # translate once here, so the shm path costs no lookup per transfer
+        descs = self._prep_descs(descs)
         owner = None if peer is None else self._peer(peer)
+        self._within(descs, self._regions.of(descs.kind) if owner is None else owner.regions.get(descs.kind), peer)
+        # translate once here, so the shm path costs no lookup per transfer
         mapped = owner.mapped(descs.array) if owner is not None and descs.kind is MemKind.DRAM else None
         p = _Prep(peer, descs, mapped)
         if descs.kind is MemKind.DRAM and (owner is None or mapped is not None):

@@ -273,9 +273,7 @@ class NixlBackend(Backend):
     # -- prep -----------------------------------------------------------------
 
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
-        self._check_open()
-        descs = Descs.coerce(descs)
-        self._check_kind(descs.kind)
+        descs = self._prep_descs(descs)
         if len(descs) > _MAX_ROWS:
             raise InvalidArgument(f"{len(descs)} descriptors in one list; NIXL takes at most {_MAX_ROWS}")
         peer = None if peer == self.agent_name else peer
@@ -295,14 +293,12 @@ class NixlBackend(Backend):
         as its metadata tells); ``UnknownPeer`` if it is not loaded (any more)."""
         kind = p.descs.kind
         if p.peer is None:
-            p.descs.check_within(self._regions.of(kind), "local descriptors")
+            self._within(p.descs, self._regions.of(kind), None)
             return
         regions = self._peers.get(p.peer)
         if regions is None:
             raise unknown_peer(p.peer, self._peers)
-        theirs = regions.get(kind)
-        p.descs.check_within(theirs if theirs is not None else Descs.empty(kind),
-                             f"descriptors of peer {p.peer!r}")
+        self._within(p.descs, regions.get(kind), p.peer)
 
     def _native_prep(self, agent: str, descs: Descs) -> Any:
         if not len(descs):

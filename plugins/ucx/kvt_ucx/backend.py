@@ -347,14 +347,8 @@ class UcxBackend(Backend):
     # -- transfers ------------------------------------------------------------
 
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
-        self._check_open()
-        descs = Descs.coerce(descs)
-        self._check_kind(descs.kind)
-        if peer is None:
-            regions, what = self._regions.of(descs.kind), "local descriptors"
-        else:
-            regions, what = self._peer(peer).regions, f"descriptors of peer {peer!r}"
-        region = descs.check_within(regions, what)
+        descs = self._prep_descs(descs)
+        region = self._within(descs, self._regions.of(descs.kind) if peer is None else self._peer(peer).regions, peer)
         rows = descs.array
         table = np.empty((len(rows), 3), np.uint64)
         table[:, :2] = rows[:, :2]
