@@ -43,7 +43,7 @@ from .errors import (ClosedError, InvalidArgument, InvalidHandle, KvtTimeoutErro
 from .types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
                     RegHandle, XferHandle, XferState, as_index)
 
-__all__ = ["Backend", "RegionTable", "HandleTable", "take_handle", "Inbox", "unknown_peer"]
+__all__ = ["Backend", "RegionTable", "HandleTable", "take_handle", "PeerTable", "Inbox", "unknown_peer"]
 
 
 class Backend(abc.ABC):
@@ -357,6 +357,21 @@ def take_handle(preps: HandleTable, xfers: HandleTable, handle):
     if obj is None:
         raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
     return obj
+
+
+class PeerTable(dict):
+    """Peer name -> what a backend keeps of it.  Looking up (``[]``) or
+    removing a name nobody loaded, or one already removed, raises
+    ``UnknownPeer`` listing the names that are loaded."""
+
+    def __missing__(self, name):
+        raise unknown_peer(name, self)
+
+    def remove(self, name):
+        """Remove and return the peer's entry; ``UnknownPeer`` if there is none."""
+        if name not in self:
+            raise unknown_peer(name, self)
+        return self.pop(name)
 
 
 class Inbox:

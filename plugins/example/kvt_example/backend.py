@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
-from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
+from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
 from kvt.errors import (InvalidArgument, PeerDisconnected, RemoteRejected, TransferError,
                         UnsupportedOperation, WireError)
 from kvt.types import Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState
@@ -97,7 +97,7 @@ class ExampleBackend(Backend):
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         super().__init__(agent_name, options)
         self._regions = RegionTable()                       # ours, read by peers' workers too
-        self._peers: dict[str, Descs] = {}                  # peer -> its regions, as its metadata said
+        self._peers = PeerTable()                           # peer -> its regions, as its metadata said
         self._preps = HandleTable("prepped descriptor list")  # handle -> (peer or None, Descs)
         self._xfers = HandleTable("transfer")
         self._inbox = Inbox()
@@ -142,23 +142,16 @@ class ExampleBackend(Backend):
 
     def remove_remote(self, peer: str) -> None:
         self._check_open()
-        if self._peers.pop(peer, None) is None:
-            raise unknown_peer(peer, self._peers)
+        self._peers.remove(peer)
         for job in list(self._xfers.values()):
             if job.peer == peer:
                 job.finish(XferState.err(PeerDisconnected(f"peer {peer!r} was removed")))
-
-    def _peer_regions(self, peer: str) -> Descs:
-        regions = self._peers.get(peer)
-        if regions is None:
-            raise unknown_peer(peer, self._peers)
-        return regions
 
     # -- transfers ------------------------------------------------------------
 
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
         descs = self._prep_descs(descs)
-        self._within(descs, self._regions.of(descs.kind) if peer is None else self._peer_regions(peer), peer)
+        self._within(descs, self._regions.of(descs.kind) if peer is None else self._peers[peer], peer)
         h = self._next_id()
         self._preps[h] = (peer, descs)
         return PrepHandle(h)
@@ -171,7 +164,7 @@ class ExampleBackend(Backend):
         if lpeer is not None:
             raise InvalidArgument("local_prep must describe this agent's memory: make it with prep(None, ...)")
         if rpeer is not None:
-            self._peer_regions(rpeer)  # still known?
+            self._peers[rpeer]  # still known?
         lrows, rrows = self._pair(ldescs, local_idx, rdescs, remote_idx)
         job = _Job(op, lrows, rrows, rpeer, None if notif is None else bytes(notif))
         h = self._next_id()
@@ -214,7 +207,7 @@ class ExampleBackend(Backend):
     def notify(self, peer: str, msg: bytes) -> None:
         self._check_open()
         self._check_notif(msg)
-        self._peer_regions(peer)
+        self._peers[peer]  # known?
         target = _AGENTS.get(peer)
         if target is None or target._closed:
             raise PeerDisconnected(f"peer {peer!r} is gone")

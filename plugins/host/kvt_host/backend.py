@@ -34,7 +34,7 @@ import zmq
 from kvt import memory, memcopy
 from kvt.auth import Secret
 from kvt.epoch import Epoch, EpochWatch
-from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
+from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
 from kvt.procs import host_id, start_time
 from kvt.errors import (AuthenticationError, ConfigError, HandshakeError, HandshakeTimeout, InvalidArgument,
                         KvtError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError, TransferTimeout,
@@ -369,7 +369,7 @@ class HostBackend(Backend):
         self._mirrors = Mirrors()
         self._preps = HandleTable("prepped descriptor list")
         self._xfers = HandleTable("transfer")
-        self._peers: dict[str, _Peer] = {}
+        self._peers = PeerTable()  # name -> _Peer
         self._inbox = Inbox()
         self._local = _Lane("kvt-host-local")
         #: transfers up to this many bytes between host memory on this host run in the calling thread
@@ -438,9 +438,7 @@ class HostBackend(Backend):
     def remove_remote(self, peer: str) -> None:
         self._check_open()
         with self._lock:
-            p = self._peers.pop(peer, None)
-            if p is None:
-                raise unknown_peer(peer, self._peers)
+            p = self._peers.remove(peer)
             self._fail_jobs(p, PeerDisconnected(f"peer {peer!r} was removed"))
         p.lane.submit(p.close)
         p.lane.pool.shutdown(wait=False)
@@ -450,17 +448,11 @@ class HostBackend(Backend):
             if job.peer is peer:
                 job.finish(XferState.err(cause))
 
-    def _peer(self, name: str) -> _Peer:
-        p = self._peers.get(name)
-        if p is None:
-            raise unknown_peer(name, self._peers)
-        return p
-
     # -- transfers ------------------------------------------------------------
 
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
         descs = self._prep_descs(descs)
-        owner = None if peer is None else self._peer(peer)
+        owner = None if peer is None else self._peers[peer]
         self._within(descs, self._regions.of(descs.kind) if owner is None else owner.regions.get(descs.kind), peer)
         # translate once here, so the shm path costs no lookup per transfer
         mapped = owner.mapped(descs.array) if owner is not None and descs.kind is MemKind.DRAM else None
@@ -489,7 +481,7 @@ class HostBackend(Backend):
         lp, rp = self._preps[local_prep], self._preps[remote_prep]
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
-        peer = None if rp.peer is None else self._peer(rp.peer)
+        peer = None if rp.peer is None else self._peers[rp.peer]
         li, ri, lrows, rrows = self._pair_indexed(lp.descs, local_idx, rp.descs, remote_idx)
         job = _Job(op, lrows, lp.descs.kind, rrows, rp.descs.kind, None if notif is None else bytes(notif), peer,
                    None if rp.mapped is None else rp.mapped[ri])
@@ -818,7 +810,7 @@ class HostBackend(Backend):
     def notify(self, peer: str, msg: bytes) -> None:
         self._check_open()
         self._check_notif(msg)
-        p = self._peer(peer)
+        p = self._peers[peer]
         p.lane.submit(self._send_notif, p, bytes(msg))
 
     def _send_notif(self, peer: _Peer | None, msg: bytes) -> None:

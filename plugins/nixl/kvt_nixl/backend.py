@@ -33,7 +33,7 @@ import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
-from kvt.backend import Backend, RegionTable, unknown_peer
+from kvt.backend import Backend, PeerTable, RegionTable
 from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import (BackendUnavailable, IncompatiblePeer, InvalidArgument, InvalidDescriptor, InvalidHandle,
                         PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, UnknownPeer, WireError)
@@ -136,7 +136,7 @@ class NixlBackend(Backend):
         self._nixl = threading.Lock()
         self._regions = RegionTable()                    # what we registered, by handle and by kind
         self._regs: dict[int, Any] = {}                  # handle -> NIXL's reg list (None: an empty one)
-        self._peers: dict[str, dict[MemKind, Descs]] = {}  # name -> the regions it advertised
+        self._peers = PeerTable()                        # name -> the regions it advertised
         self._epoch = Epoch()                            # bumped by deregister, watched by same-host peers
         self._watches: dict[str, EpochWatch | None] = {}  # same-host peers' epochs
         self._blobs: dict[str, bytes] = {}               # name -> its NIXL metadata (a new one: it restarted)
@@ -250,8 +250,7 @@ class NixlBackend(Backend):
     def remove_remote(self, peer: str) -> None:
         self._check_open()
         with self._lock:
-            if peer not in self._peers:
-                raise unknown_peer(peer, self._peers)
+            self._peers[peer]  # known?
             self._drop_peer(peer, PeerDisconnected(f"peer {peer!r} was removed"))
 
     def _drop_peer(self, peer: str, cause: TransferError) -> None:
@@ -295,10 +294,7 @@ class NixlBackend(Backend):
         if p.peer is None:
             self._within(p.descs, self._regions.of(kind), None)
             return
-        regions = self._peers.get(p.peer)
-        if regions is None:
-            raise unknown_peer(p.peer, self._peers)
-        self._within(p.descs, regions.get(kind), p.peer)
+        self._within(p.descs, self._peers[p.peer].get(kind), p.peer)
 
     def _native_prep(self, agent: str, descs: Descs) -> Any:
         if not len(descs):
@@ -496,8 +492,7 @@ class NixlBackend(Backend):
     def notify(self, peer: str, msg: bytes) -> None:
         self._check_open()
         self._check_notif(msg)
-        if peer not in self._peers:
-            raise unknown_peer(peer, self._peers)
+        self._peers[peer]  # known?
         self._send_notif(peer, msg)
 
     def _send_notif(self, peer: str, msg: bytes) -> None:

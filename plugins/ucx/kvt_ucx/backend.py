@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
-from kvt.backend import Backend, HandleTable, Inbox, RegionTable, take_handle, unknown_peer
+from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
 from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import (ConfigError, InvalidArgument, PeerDisconnected, RemoteRejected, TransferError,
                         TransferTimeout, WireError)
@@ -189,7 +189,7 @@ class UcxBackend(Backend):
         self._mapped: dict[int, list[tuple[Any, bytes]]] = {}  # handle -> (MemHandle, packed rkey) per row
         self._preps = HandleTable("prepped descriptor list")
         self._xfers = HandleTable("transfer")
-        self._peers: dict[str, _Peer] = {}
+        self._peers = PeerTable()  # name -> _Peer
         self._self: _Peer | None = None  # ourselves as a peer, for local transfers
         self._inbox = Inbox()
         self._epoch = Epoch()  # bumped by deregister, watched by same-host peers
@@ -302,9 +302,7 @@ class UcxBackend(Backend):
     def remove_remote(self, peer: str) -> None:
         self._check_open()
         with self._lock:
-            p = self._peers.pop(peer, None)
-        if p is None:
-            raise unknown_peer(peer, self._peers)
+            p = self._peers.remove(peer)
         self._drop(p, PeerDisconnected(f"peer {peer!r} was removed"))
 
     def _fail(self, p: _Peer, cause: TransferError) -> None:
@@ -339,10 +337,7 @@ class UcxBackend(Backend):
                 if self._self is None:
                     self._self = self._connect(self._metadata(), ours=True)
                 return self._self
-        p = self._peers.get(name)
-        if p is None:
-            raise unknown_peer(name, self._peers)
-        return p
+        return self._peers[name]
 
     # -- transfers ------------------------------------------------------------
 
