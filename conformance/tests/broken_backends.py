@@ -67,11 +67,9 @@ class BrokenNoBoundsCheck(BrokenNoOwnerCheck):
     registered or not (a read outside registered memory goes through)."""
 
     def prep(self, peer, descs):
-        self._check_open()
-        descs = Descs.coerce(descs)
-        self._check_kind(descs.kind)
+        descs = self._prep_descs(descs)
         if peer is not None:
-            self._peer_regions(peer)
+            self._peers[peer]  # known? (the one check kept)
         h = self._next_id()
         self._preps[h] = (peer, descs)
         return h
