@@ -30,8 +30,8 @@ from .config import Config, load_config
 from .auth import NotifSeal, Secret
 from .backend import Inbox
 from .errors import (AuthenticationError, ClosedError, HandshakeError, IncompatiblePeer, IntegrityError,
-                     InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, TransferTimeout, UnknownPeer, UnsupportedOperation,
-                     WireError)
+                     InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, ServerBusy, TransferTimeout,
+                     UnknownPeer, UnsupportedOperation, WireError)
 from . import integrity
 from .handshake import HandshakeServer, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
@@ -65,7 +65,7 @@ _NOTIF_KEY = "kvt_auth"  # AgentInfo.extra: the incarnation nonce notifications 
 def _refusal(e: Exception) -> bytes:
     """What the handshake answers a message it cannot serve: a typed refusal, nothing more."""
     return encode(HandshakeReply(error=f"{_AUTH_REFUSAL} {e}" if isinstance(e, AuthenticationError)
-                                 else "malformed request"))
+                                 else f"ServerBusy: {e}" if isinstance(e, ServerBusy) else "malformed request"))
 
 
 def poll_until(check, timeout: float, what: str):
@@ -306,28 +306,39 @@ class Agent:
             return encode(HandshakeReply(error=f"{type(e).__name__}: {e}"))
 
     def _digest(self, req: "integrity.DigestRequest") -> bytes:
+        if not self.config.integrity:  # nobody needs our digests: answer none (they cost us, not the asker)
+            raise UnsupportedOperation(f"integrity checks are off on agent {self.name!r}; digests are served "
+                                       "only with KVT_INTEGRITY=1 (set it on both sides)")
         if len(req.block_ids) % 8:
             raise WireError(f"digest request of {len(req.block_ids)} bytes of block ids is not int64s")
-        return integrity.digest(self._layout(None, req.layout), np.frombuffer(req.block_ids, np.int64)).tobytes()
+        layout = self._layout(None, req.layout)
+        integrity.check_request(layout, len(req.block_ids) // 8)
+        return integrity.digest(layout, np.frombuffer(req.block_ids, np.int64)).tobytes()
 
     def _verify(self, op: Op, peer: str, layout: str, rlayout: str, local_ids, remote_ids) -> None:
         """Digest what we hold of the transfer, ask the peer for its side's, compare."""
-        mine = self._layouts[layout]
+        mine, theirs = self._layouts[layout], self._layout(peer, rlayout)
         if op is Op.READ:
             integrity.maybe_flip(mine, local_ids)
-        digest = integrity.digest(mine, local_ids)
-        what = f"{op.value} of {np.size(local_ids)} blocks {'from' if op is Op.READ else 'to'} peer {peer!r}"
+        lids = as_index(local_ids, mine.num_blocks, "block ids")
+        rids = as_index(remote_ids, theirs.num_blocks, "block ids")
+        what = f"{op.value} of {lids.size} blocks {'from' if op is Op.READ else 'to'} peer {peer!r}"
+        step = integrity.per_request(theirs)  # what the peer answers per request (docs/security.md)
+        mine_all, theirs_all = [], []
         try:
             route = self._reach[peer]
             endpoint = route if "://" in route else self.discovery.resolve(route)
-            reply = decode(request(endpoint, encode(integrity.DigestRequest(
-                layout=rlayout, block_ids=np.asarray(remote_ids, np.int64).tobytes())),
-                self.config.handshake_timeout, self.secret), HandshakeReply)
-            if reply.error:
-                raise HandshakeError(reply.error)
+            for i in range(0, max(lids.size, 1), step):
+                mine_all.append(integrity.digest(mine, lids[i:i + step]))
+                reply = decode(request(endpoint, encode(integrity.DigestRequest(
+                    layout=rlayout, block_ids=rids[i:i + step].tobytes())),
+                    self.config.handshake_timeout, self.secret), HandshakeReply)
+                if reply.error:
+                    raise HandshakeError(reply.error)
+                theirs_all.append(np.frombuffer(reply.payload, np.uint64))
         except KvtError as e:  # unverified counts as failed: integrity checks fail closed
             raise IntegrityError(f"{what} could not be verified: {type(e).__name__}: {e}") from e
-        integrity.compare(digest, np.frombuffer(reply.payload, np.uint64), what)
+        integrity.compare(np.concatenate(mine_all), np.concatenate(theirs_all), what)
 
     def connect(self, endpoint: str, timeout: float | None = None) -> str:
         """Fetch a peer's ``AgentInfo`` through its side channel and load it.

@@ -5,14 +5,20 @@ data server, both ``kvt.handshake.RouterServer``) speaks the same small
 protocol when a key is set.  It adds one frame at the end of each message:
 
 1. client -> ``HELLO cn``  (16 random bytes)
-2. server -> ``CHALLENGE sn tag``: a fresh 16-byte ``sn`` and
-   ``tag = MAC(K, "server")`` with the session key
-   ``K = HMAC-SHA256(auth_key, "kvt-auth-v1" | cn | sn)``.  The client checks
-   the tag before it sends anything: the server proved it holds the key.
-3. client -> ``frames..., SEALED sn counter tag`` with
-   ``tag = MAC(K, "req" | counter | frames)``: the client proves the key; the
-   first valid message turns ``sn`` into a session.  ``counter`` must grow with
-   every message of a session, so a replayed or reordered message is refused.
+2. server -> ``CHALLENGE sn tag``: ``sn = MAC(server secret, cn | time slot)``
+   (16 bytes; the server secret is random per server and never leaves it, a
+   slot is ``_SLOT_S`` seconds) and ``tag = MAC(K, "server")`` with the session
+   key ``K = HMAC-SHA256(auth_key, "kvt-auth-v1" | cn | sn)``.  The client
+   checks the tag before it sends anything: the server proved it holds the key.
+   The server keeps nothing per HELLO, so a flood of them evicts nothing.
+3. client -> ``frames..., SEALED cn sn counter tag`` with
+   ``tag = MAC(K, "req" | counter | frames)``: the client proves the key.  The
+   first valid message (``sn`` recomputed for the current or the previous
+   slot, then the tag) opens the session ``(cn, sn)``; ``counter`` must grow
+   with every message of a session, so a replayed or reordered message is
+   refused.  The server remembers every ``sn`` that opened a session until
+   its slot has expired (then ``sn`` itself is refused), so a recorded first
+   message replayed once its session is gone cannot open a second one.
 4. server -> ``frames..., REPLY counter MAC(K, "rep" | counter | frames)``:
    the reply is bound to that request.
 
@@ -34,6 +40,7 @@ import hashlib
 import hmac
 import os
 import struct
+import time
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -42,16 +49,20 @@ from .errors import AuthenticationError
 __all__ = ["Secret", "ClientSession", "ServerAuth", "NotifSeal", "MIN_KEY_CHARS"]
 
 MIN_KEY_CHARS = 16  # a shorter shared secret is refused at configuration time
-_MAGIC = b"kvtA1"
+_MAGIC = b"kvtA2"      # the channel protocol (v2: stateless challenges, SEALED carries cn)
+_OLD_MAGIC = b"kvtA1"  # the previous one: refused with a message saying so
+_NOTIF_MAGIC = b"kvtA1"  # NotifSeal's format, unchanged
 _HELLO, _CHALLENGE, _SEALED, _REPLY, _REFUSED = b"H", b"C", b"M", b"R", b"X"
 _NONCE, _TAG = 16, 32
 _COUNTER = struct.Struct("<Q")
 _HELLO_LEN = len(_MAGIC) + 1 + _NONCE
 _CHALLENGE_LEN = len(_MAGIC) + 1 + _NONCE + _TAG
-_SEALED_LEN = len(_MAGIC) + 1 + _NONCE + 8 + _TAG
+_SEALED_LEN = len(_MAGIC) + 1 + 2 * _NONCE + 8 + _TAG
 _REPLY_LEN = len(_MAGIC) + 1 + 8 + _TAG
-_MAX_PENDING = 1024    # challenges handed out but not yet answered (anyone can ask for one)
-_MAX_SESSIONS = 4096   # proven sessions (only key holders create these)
+_SLOT_S = 20.0          # a challenge opens a session within 20..40 s (its slot and the next)
+_MAX_SESSIONS = 4096    # proven sessions (only key holders create these; oldest dropped)
+_MAX_OPENED = 1 << 18   # sessions opened per two slots (only key holders; beyond: refused, retry)
+_now = time.monotonic   # the slots' clock (tests replace it)
 
 _SET_SAME_KEY = "set the same auth_key (or KVT_AUTH_KEY) on both sides"
 
@@ -106,9 +117,12 @@ def _tag(key: bytes, label: bytes, counter: int, frames: Sequence, covered: int 
 def refusal_reason(frame) -> str | None:
     """The reason of a ``REFUSED`` frame, or None if ``frame`` is not one."""
     data = _bytes(frame)
-    if data[:len(_MAGIC) + 1] != _MAGIC + _REFUSED:
+    if data[:len(_MAGIC) + 1] not in (_MAGIC + _REFUSED, _OLD_MAGIC + _REFUSED):
         return None
-    return data[len(_MAGIC) + 1:len(_MAGIC) + 1 + 512].decode("utf-8", "replace")
+    reason = data[len(_MAGIC) + 1:len(_MAGIC) + 1 + 512].decode("utf-8", "replace")
+    if data.startswith(_OLD_MAGIC):
+        reason += " (that peer runs an older kvt, authentication protocol kvtA1: run the same kvt on both sides)"
+    return reason
 
 
 class ClientSession:
@@ -141,7 +155,7 @@ class ClientSession:
     def seal(self, frames: Sequence) -> bytes:
         """The frame to append to ``frames`` (the next message of this session)."""
         self.counter += 1
-        return (_MAGIC + _SEALED + self._sid + _COUNTER.pack(self.counter)
+        return (_MAGIC + _SEALED + self._cn + self._sid + _COUNTER.pack(self.counter)
                 + _tag(self._key, b"req", self.counter, frames, self._covered))
 
     def open(self, frames: Sequence, who: str) -> list | None:
@@ -165,12 +179,35 @@ class ClientSession:
 
 class ServerAuth:
     """The server's end: answers HELLOs, checks every other message, seals replies.
-    Used by one server thread only."""
+    Used by one server thread only.
+
+    Nothing is stored per HELLO: a challenge is a MAC of the client's nonce
+    and the time slot under a secret of this server, recomputed when the
+    first sealed message comes.  Only a message that passes its tag (a key
+    holder's) opens a session, and every challenge that opened one is
+    remembered until its slot expired, so replaying a recorded first message
+    cannot open a second session."""
 
     def __init__(self, secret: Secret, covered: int | None = None):
         self._secret, self._covered = secret, covered
-        self._pending: OrderedDict[bytes, bytes] = OrderedDict()        # sn -> session key
-        self._sessions: OrderedDict[bytes, list] = OrderedDict()        # sn -> [session key, last counter]
+        self._mint = os.urandom(32)  # this server's own challenge key; never leaves it
+        self._sessions: OrderedDict[bytes, list] = OrderedDict()  # cn | sn -> [session key, last counter]
+        self._opened: dict[int, set[bytes]] = {}  # slot -> the sn of every session opened with a challenge of it
+
+    @staticmethod
+    def _slot() -> int:
+        return int(_now() // _SLOT_S)
+
+    def _sn(self, cn: bytes, slot: int) -> bytes:
+        return hashlib.blake2b(cn + _COUNTER.pack(slot), key=self._mint, digest_size=_NONCE).digest()
+
+    def _slot_of(self, cn: bytes, sn: bytes) -> int | None:
+        """The slot ``sn`` was issued in for ``cn``: the current or the previous one, else None."""
+        now = self._slot()
+        for slot in (now, now - 1):
+            if hmac.compare_digest(sn, self._sn(cn, slot)):
+                return slot
+        return None
 
     def serve(self, frames: list, answer: Callable[[list], list | None],
               refuse: Callable[[list, Exception], list | None] | None) -> list | None:
@@ -193,34 +230,55 @@ class ServerAuth:
         return reply + [_MAGIC + _REPLY + _COUNTER.pack(counter) + _tag(key, b"rep", counter, out, self._covered)]
 
     def _challenge(self, cn: bytes) -> bytes:
-        sn = os.urandom(_NONCE)
-        key = self._secret.session_key(cn, sn)
-        self._pending[sn] = key
-        if len(self._pending) > _MAX_PENDING:  # a HELLO flood evicts only unanswered challenges
-            self._pending.popitem(last=False)
-        return _MAGIC + _CHALLENGE + sn + _tag(key, b"server", 0, (), None)
+        sn = self._sn(cn, self._slot())
+        return _MAGIC + _CHALLENGE + sn + _tag(self._secret.session_key(cn, sn), b"server", 0, (), None)
 
     def _check(self, body: list, last: bytes) -> tuple[bytes, int]:
+        if last.startswith(_OLD_MAGIC):
+            raise AuthenticationError("the peer speaks the authentication protocol of an older kvt (kvtA1); "
+                                      "run the same kvt version on both sides")
         if len(body) < 2 or len(last) != _SEALED_LEN or not last.startswith(_MAGIC + _SEALED):
             raise AuthenticationError(f"this agent requires authentication and the message had none; {_SET_SAME_KEY}")
         at = len(_MAGIC) + 1
-        sid, counter, tag = last[at:at + _NONCE], _COUNTER.unpack_from(last, at + _NONCE)[0], last[-_TAG:]
+        sid = last[at:at + 2 * _NONCE]
+        counter, tag = _COUNTER.unpack_from(last, at + 2 * _NONCE)[0], last[-_TAG:]
         session = self._sessions.get(sid)
-        key = session[0] if session is not None else self._pending.get(sid)
-        if key is None:
-            raise AuthenticationError("unknown or expired authentication session; reconnect")
+        if session is not None:
+            key = session[0]
+        else:
+            cn, sn = sid[:_NONCE], sid[_NONCE:]
+            slot = self._slot_of(cn, sn)
+            if slot is None:
+                raise AuthenticationError("unknown or expired authentication session; reconnect")
+            key = self._secret.session_key(cn, sn)
         if not hmac.compare_digest(tag, _tag(key, b"req", counter, body[:-1], self._covered)):
             raise AuthenticationError(f"message failed authentication (wrong auth_key, or altered); {_SET_SAME_KEY}")
         if session is None:
-            del self._pending[sid]
-            session = self._sessions[sid] = [key, 0]
-            if len(self._sessions) > _MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+            session = self._open(sid, slot, key)
         if counter <= session[1]:
             raise AuthenticationError("replayed or reordered message refused")
         session[1] = counter
         self._sessions.move_to_end(sid)
         return key, counter
+
+    def _open(self, sid: bytes, slot: int, key: bytes) -> list:
+        """A new session for a challenge of ``slot``, unless that challenge opened one already."""
+        now = self._slot()
+        for old in [s for s in self._opened if s < now - 1]:  # expired: their sn are refused anyway
+            del self._opened[old]
+        sn = sid[_NONCE:]
+        opened = self._opened.setdefault(slot, set())
+        if sn in opened:  # its session was opened (and since dropped): this is a replay, or a stale client
+            raise AuthenticationError("replayed message refused (or a session this agent no longer keeps); "
+                                      "reconnect")
+        if sum(len(x) for x in self._opened.values()) >= _MAX_OPENED:
+            raise AuthenticationError(f"more than {_MAX_OPENED} sessions opened in the last "
+                                      f"{2 * _SLOT_S:g}s; retry later")
+        opened.add(sn)
+        session = self._sessions[sid] = [key, 0]
+        if len(self._sessions) > _MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+        return session
 
 
 class NotifSeal:
@@ -232,7 +290,7 @@ class NotifSeal:
     ``open`` returns the message, or None for anything forged, altered or
     replayed (a 64-message window per sender incarnation, as IPsec does)."""
 
-    OVERHEAD = len(_MAGIC) + 1 + _NONCE + 8 + _TAG
+    OVERHEAD = len(_NOTIF_MAGIC) + 1 + _NONCE + 8 + _TAG
     _WINDOW = 64
     _MAX_SENDERS = 4096
 
@@ -251,13 +309,13 @@ class NotifSeal:
     def seal(self, receiver: str, incarnation: bytes, msg: bytes) -> bytes:
         counter = self._next()
         tag = self._tag(self._me, receiver, incarnation, self._nonce, counter, msg)
-        return _MAGIC + _SEALED + self._nonce + _COUNTER.pack(counter) + tag + bytes(msg)
+        return _NOTIF_MAGIC + _SEALED + self._nonce + _COUNTER.pack(counter) + tag + bytes(msg)
 
     def open(self, sender: str, data: bytes) -> bytes | None:
         n = self.OVERHEAD
-        if len(data) < n or not data.startswith(_MAGIC + _SEALED):
+        if len(data) < n or not data.startswith(_NOTIF_MAGIC + _SEALED):
             return None
-        at = len(_MAGIC) + 1
+        at = len(_NOTIF_MAGIC) + 1
         nonce, counter, tag = data[at:at + _NONCE], _COUNTER.unpack_from(data, at + _NONCE)[0], data[n - _TAG:n]
         msg = data[n:]
         if not hmac.compare_digest(tag, self._tag(sender, self._me, self.incarnation, nonce, counter, msg)):

@@ -42,7 +42,7 @@ __all__ = [
     "InvalidDescriptor", "UnknownPeer", "InvalidHandle", "WireError",
     "VersionMismatch", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer", "AuthenticationError",
     "TransferError", "PeerDisconnected", "TransferTimeout", "RemoteRejected",
-    "KvtTimeoutError", "ClosedError", "IntegrityError", "DiscoveryError",
+    "KvtTimeoutError", "ClosedError", "IntegrityError", "DiscoveryError", "ServerBusy",
 ]
 
 
@@ -143,3 +143,13 @@ class KvtTimeoutError(KvtError, TimeoutError):
 
 class ClosedError(KvtError, RuntimeError):
     """The backend or agent has been closed."""
+
+
+class ServerBusy(KvtError, RuntimeError):
+    """A kvt server (``kvt.handshake.RouterServer``) holds
+    ``MAX_UNSENT_REPLY_BYTES`` of replies for peers that do not read them, and
+    this request's reply would pass that.  Raised inside the server, which
+    answers it as a typed refusal (code ``busy``); nothing else happened: the
+    peer may retry later."""
+
+    code = "busy"

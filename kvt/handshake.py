@@ -20,7 +20,8 @@ from typing import Callable
 import zmq
 
 from .auth import ClientSession, Secret, ServerAuth
-from .errors import AuthenticationError, HandshakeError, HandshakeTimeout, InvalidArgument, KvtError
+from .errors import (AuthenticationError, HandshakeError, HandshakeTimeout, InvalidArgument, KvtError, ServerBusy,
+                     WireError)
 
 __all__ = ["RouterServer", "HandshakeServer", "request", "open_session"]
 
@@ -29,6 +30,16 @@ _POLL_MS = 100  # how often the server thread checks for close()
 #: largest handshake message a server or client accepts (ZMQ drops the connection of a bigger one)
 MAX_HANDSHAKE_BYTES = 16 << 20
 _HWM = 4
+#: most frames of one inbound message after the sender's identity (kvt sends at most 3); more: dropped
+MAX_FRAMES = 8
+#: reply bytes a ``RouterServer`` hands ZMQ and ZMQ has not sent yet (peers that do not read them), over
+#: all peers; a reply that would pass it is replaced by the channel's typed refusal (``ServerBusy``)
+MAX_UNSENT_REPLY_BYTES = 256 << 20
+_ENVELOPE = 4096  # what a message may hold beyond ``max_msg_bytes`` in all: identity, delimiter, auth frame
+
+
+def _nbytes(frame) -> int:
+    return memoryview(getattr(frame, "buffer", frame)).nbytes
 
 
 class RouterServer:
@@ -39,8 +50,16 @@ class RouterServer:
     anyway, ``refuse(frames, error)`` builds the reply (the peer always hears
     back, with a typed refusal) and serving goes on; nothing a peer sends
     stops the thread.  ``copy=False`` hands ``zmq.Frame`` objects (zero-copy)
-    to ``handle``.  ``max_msg_bytes`` caps every inbound message: ZMQ
-    disconnects a peer that sends a bigger one before it is buffered.
+    to ``handle``.  ``max_msg_bytes`` caps every inbound frame (ZMQ
+    disconnects a peer that sends a bigger one before it is buffered) and,
+    checked here, the sum of a message's frames; a message over it or over
+    ``MAX_FRAMES`` frames is dropped frame by frame, unanswered.  ZMQ hands
+    over a multipart message only once all its frames arrived, so until then
+    it holds them all: nothing in ZMQ bounds how many frames one message has
+    (docs/security.md).
+    Replies waiting in ZMQ for peers that do not read them are bounded over
+    all peers (``max_unsent_bytes``): past it a reply's request gets
+    ``refuse(frames, ServerBusy(...))`` instead.
     Bound to ``host`` (port 0 = any free port); ``endpoint`` says where.
     ZMQ's ROUTER queues each peer's messages apart and takes them in turn,
     so with bounded work per message no peer starves another.
@@ -52,8 +71,12 @@ class RouterServer:
     def __init__(self, handle: Callable[[list], list | None], host: str = "127.0.0.1", port: int = 0,
                  *, name: str = "kvt-router", copy: bool = True, max_msg_bytes: int = MAX_HANDSHAKE_BYTES,
                  refuse: Callable[[list, Exception], list | None] | None = None,
-                 secret: Secret | None = None, covered: int | None = None):
+                 secret: Secret | None = None, covered: int | None = None,
+                 max_unsent_bytes: int | None = None):
         self._handle, self._copy, self._refuse = handle, copy, refuse
+        self._max_msg = max_msg_bytes
+        self._max_unsent = MAX_UNSENT_REPLY_BYTES if max_unsent_bytes is None else max_unsent_bytes
+        self._unsent: list[tuple[int, zmq.MessageTracker]] = []  # large replies ZMQ still holds
         self._auth = None if secret is None else ServerAuth(secret, covered)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -85,7 +108,10 @@ class RouterServer:
             while not self._stop.is_set():
                 if not sock.poll(_POLL_MS):
                     continue
-                ident, *frames = sock.recv_multipart(copy=self._copy)
+                msg = self._recv(sock)
+                if msg is None:
+                    continue
+                ident, *frames = msg
                 if self._auth is None:
                     reply = self._answer(frames)
                 else:
@@ -95,19 +121,69 @@ class RouterServer:
                         log.warning("%s: dropped a message: %s", self._thread.name, type(e).__name__)
                         reply = None
                 if reply is not None:
-                    try:
-                        sock.send_multipart([ident, *reply], copy=self._copy)
-                    except zmq.Again:
-                        pass  # that peer stopped reading; it gets no more than it asked for
+                    self._send(sock, ident, reply)
         except zmq.ZMQError as e:
             if not self._stop.is_set():
                 log.error("%s stopped: %s", self._thread.name, e)
         finally:
             sock.close()
 
+    def _recv(self, sock: zmq.Socket) -> list | None:
+        """One message, frame by frame; None for one over ``MAX_FRAMES`` frames
+        or ``max_msg_bytes`` in all, whose frames are each released as soon as
+        received (ZMQ holds a message's frames until the last arrived, but we
+        keep none of them: no second copy, no Python objects)."""
+        frames, total, more = [], 0, True
+        while more:
+            f = sock.recv(copy=False)
+            more = f.more
+            total += len(f)
+            frames.append(f)
+            if len(frames) > MAX_FRAMES + 1 or total > self._max_msg + _ENVELOPE:
+                del frames[:], f
+                n = total
+                while more:
+                    f = sock.recv(copy=False)
+                    more, n = f.more, n + len(f)
+                    del f
+                log.debug("%s: dropped a message over %d frames or %d bytes (%d bytes)",
+                          self._thread.name, MAX_FRAMES, self._max_msg, n)
+                return None
+        return frames if not self._copy else [f.bytes for f in frames]
+
+    def _send(self, sock: zmq.Socket, ident, reply: list) -> None:
+        """Hand ``reply`` to ZMQ; its large frames go zero-copy and tracked, so
+        ``_room`` knows how many reply bytes still wait for a slow peer."""
+        out, tracked, size = [ident], [], 0
+        for f in reply:
+            n = _nbytes(f)
+            if n >= zmq.COPY_THRESHOLD:  # smaller ones ZMQ copies at once (and drops with the peer's queue)
+                f = zmq.Frame(getattr(f, "buffer", f), track=True, copy=False)
+                tracked.append(f)
+                size += n
+            out.append(f)
+        try:
+            sock.send_multipart(out, copy=False)
+        except zmq.Again:
+            return  # that peer stopped reading; it gets no more than it asked for
+        if tracked:
+            self._unsent.append((size, zmq.MessageTracker(*tracked)))
+
+    def _room(self, reply: list) -> bool:
+        """Whether ``reply``'s zero-copy frames fit under ``max_unsent_bytes``."""
+        nbytes = sum(n for n in map(_nbytes, reply) if n >= zmq.COPY_THRESHOLD)
+        if not nbytes:
+            return True
+        self._unsent = [u for u in self._unsent if not u[1].done]
+        return sum(n for n, _ in self._unsent) + nbytes <= self._max_unsent
+
     def _answer(self, frames: list) -> list | None:
         try:
-            return self._handle(frames)
+            reply = self._handle(frames)
+            if reply is not None and not self._room(reply):
+                raise ServerBusy(f"{self._thread.name} has {self._max_unsent >> 20} MiB of replies waiting for "
+                                 "peers that do not read them; retry later")
+            return reply
         except Exception as e:  # noqa: BLE001 - one bad message must not stop the server
             # malformed bytes are routine from a hostile peer (debug, so they cannot flood the log)
             log.log(logging.DEBUG if isinstance(e, KvtError) else logging.WARNING,
@@ -152,7 +228,7 @@ class HandshakeServer(RouterServer):
                  refuse: Callable[[Exception], bytes] = lambda e: b"", secret: Secret | None = None):
         def answer(frames: list) -> list:  # a REQ client sends [b"", body]
             if len(frames) != 2 or frames[0]:
-                raise ValueError(f"expected a REQ envelope of 2 frames, got {len(frames)}")
+                raise WireError(f"expected a REQ envelope of 2 frames, got {len(frames)}")
             return [b"", provider(frames[1])]
 
         super().__init__(answer, host, port, name="kvt-handshake",

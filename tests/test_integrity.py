@@ -22,7 +22,8 @@ def agent(name, on=True, **kw):
 
 
 @pytest.fixture
-def pair():
+def pair(monkeypatch):
+    monkeypatch.setenv("KVT_INTEGRITY", "1")  # both sides: a peer serves digests only with checks on
     with peer_process("src") as src, agent("me") as me:
         local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8)
         me.register_blocks("kv", [local])
