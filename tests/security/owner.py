@@ -11,6 +11,7 @@ from peer import spawned
 
 GUARD, REGION = 64 * 1024, 256 * 1024  # bytes each side, registered bytes
 GUARD_BYTE = 0xA5
+PRIVATE = b"PRIVATE!"  # what the owner writes into memory it deregistered
 
 
 def _fill(region: np.ndarray) -> None:
@@ -50,6 +51,12 @@ def _serve(options, auth_key, q, cmd) -> None:
                 q.put(agent.backend.local_metadata())
             elif op == "notifs":
                 q.put({k: [len(m) for m in v] for k, v in agent.get_notifs().items()})
+            elif op == "dereg_reuse":  # give the region up, then reuse its memory for bytes of our own
+                agent.deregister(agent._layout_regs.pop("kv"))
+                region[:] = np.frombuffer(PRIVATE * (REGION // len(PRIVATE)), np.uint8)
+                q.put(True)
+            elif op == "private":  # is the reused region still all ours?
+                q.put(bool((region == np.frombuffer(PRIVATE * (REGION // len(PRIVATE)), np.uint8)).all()))
 
 
 class Owner:

@@ -152,6 +152,12 @@ def test_notification_limits_at_the_receiver(owner, sock):
     assert_unharmed(owner, sock)
 
 
+def test_notification_with_a_payload_frame_is_a_bad_request(owner, sock):
+    rep, _ = ask(sock, encode(Request(id=9, sender="attacker", op="NOTIF", msg=b"hi")), b"extra")
+    assert rep.id == 9 and rep.code == "bad_request", rep
+    assert "attacker" not in owner.ask("notifs")
+
+
 @pytest.mark.parametrize("body", [b"", b"\xc1", b"\x91" * 100_000, b"\xff" * 1000,
                                   msgspec.msgpack.encode({"v": 1, "t": "hs_req", "sender": b"\xff\xfe"})])
 def test_handshake_answers_garbage_with_a_refusal(owner, sock, body):

@@ -40,6 +40,8 @@ def _stream(owner, sock, token: bytes | None = None) -> socket.socket:
     host, port, good = _token(owner, sock)
     s = socket.create_connection((host, port), timeout=20)
     s.sendall(good if token is None else token)
+    if token is None:
+        assert s.recv(1) == b"\x01"  # served
     return s
 
 
@@ -77,6 +79,7 @@ def test_unknown_and_reused_tokens_get_the_connection_closed(owner, sock):
     host, port, token = _token(owner, sock)
     with socket.create_connection((host, port), timeout=20) as first:
         first.sendall(token)
+        assert first.recv(1) == b"\x01"
         assert _read(first, owner.base, 16) == PATTERN[:16].tobytes()
         with socket.create_connection((host, port), timeout=20) as second:
             second.sendall(token)
@@ -149,3 +152,149 @@ def test_connection_flood_is_capped_and_the_owner_recovers(owner, sock):
             s.close()
     _assert_stream_serves(owner, sock)
     assert_unharmed(owner, sock)
+
+
+@pytest.fixture
+def own_owner():
+    """An owner of this test's own (the module's is shared)."""
+    import zmq
+    from kvt.agent import fetch_info
+    from kvt.wire import decode
+    from kvt_host.protocol import HostMetadata
+    from owner import owner_process
+
+    with owner_process({"timeout": 10}) as o:
+        o.data = decode(fetch_info(o.endpoint, "attacker", 10).metadata, HostMetadata).endpoint
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 20_000)
+        s.connect(o.data)
+        try:
+            yield o, s
+        finally:
+            s.close()
+
+
+def test_no_byte_of_a_stalled_write_lands_after_the_owner_deregistered(own_owner):
+    """The row check passed, the payload stalls, the owner deregisters and
+    reuses the memory: deregister cuts that stream, so the rest of the
+    payload never lands (it used to, and into freed memory crash the owner)."""
+    owner, sock = own_owner
+    with _stream(owner, sock) as s:
+        s.sendall(HEAD.pack(b"kvtS", WRITE, 0, 0, 1) + rows((owner.base, REGION, 0)) + b"\xee" * 1024)
+        time.sleep(0.5)  # the owner's stream thread is now inside the WRITE, past the check
+        assert owner.ask("dereg_reuse")
+        try:
+            s.sendall(b"\xee" * (REGION - 1024))
+        except OSError:
+            pass  # the owner hung up already
+        assert _closed(s)
+    assert owner.ask("private")  # not one attacker byte in memory the owner took back
+    assert owner.ask("check")[0]  # guards intact
+
+
+def test_a_token_trickled_in_is_hung_up_after_the_hello_timeout(owner, sock):
+    host, port, token = _token(owner, sock)
+    t0 = time.monotonic()
+    with socket.create_connection((host, port), timeout=20) as s:
+        for b in token:  # a byte a second: under a per-recv timeout this held the slot for 16 s
+            try:
+                s.sendall(bytes([b]))
+            except OSError:
+                break
+            if time.monotonic() - t0 > 12:
+                break
+            time.sleep(1)
+        assert _closed(s)
+    assert time.monotonic() - t0 < 12  # _HELLO_TIMEOUT is 5 s in all
+
+
+def test_idle_unauthenticated_connections_leave_honest_transfers_working(owner, sock):
+    """A flood of connections that never present a token takes no served
+    slot: honest peers' transfers go through (in ZMQ messages while the hello
+    slots are full) and get the right bytes."""
+    from kvt import Agent
+
+    host, port, _ = _token(owner, sock)
+    flood = [socket.create_connection((host, port), timeout=20) for _ in range(100)]
+    try:
+        with Agent(name="honest", backend="host", options={"transport": "tcp", "timeout": 10}) as a:
+            peer = a.connect(owner.endpoint)
+            buf = np.zeros(REGION, np.uint8)
+            a.register_blocks("kv", [buf.reshape(64, -1)])
+            a.read_blocks(peer, [1, 2], [1, 2]).wait(20)
+            assert np.array_equal(buf[4096:3 * 4096], PATTERN[4096:3 * 4096])
+    finally:
+        for s in flood:
+            s.close()
+    _assert_stream_serves(owner, sock)
+    assert_unharmed(owner, sock)
+
+
+@pytest.mark.parametrize("end", ["timeout", "release"])
+def test_a_trickling_owner_ends_the_read_and_nothing_lands_after(end):
+    """An owner (reached through its metadata) that answers a READ and then
+    trickles its payload a byte at a time: the read ends ERR at its timeout,
+    or at release, and no byte lands in our memory after that."""
+    import threading
+
+    import zmq
+    from kvt.errors import TransferTimeout
+    from kvt.types import Descs, Op
+    from kvt.wire import decode, encode
+    from kvt_host.backend import HostBackend
+    from kvt_host.protocol import HostMetadata, Reply, Request
+
+    n, stop = 64 << 10, threading.Event()
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    zport = router.bind_to_random_port("tcp://127.0.0.1")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def slow_owner():
+        ident, frame = router.recv_multipart()
+        router.send_multipart([ident, encode(Reply(id=decode(frame, Request).id, port=listener.getsockname()[1],
+                                                   token=b"t" * 16))])
+        c, _ = listener.accept()
+        with c:
+            _recv(c, 16)
+            c.sendall(b"\x01")
+            _recv(c, HEAD.size + 24)
+            c.sendall(struct.pack("<BBH", 0, 0, 0))
+            try:
+                while not stop.wait(0.25):
+                    c.sendall(b"\x66")
+                c.sendall(b"\x77" * n)  # the rest, all at once: none of it may land
+            except OSError:
+                pass  # cut: good
+
+    owner_thread = threading.Thread(target=slow_owner, daemon=True)
+    owner_thread.start()
+    b = HostBackend("victim", {"timeout": 2, "transport": "tcp"})
+    try:
+        local = np.zeros(n, np.uint8)
+        b.register(Descs.from_buffers([local]))
+        md = HostMetadata(name="slow", endpoint=f"tcp://127.0.0.1:{zport}", host_id="elsewhere", pid=4242,
+                          start_time=1, regions={"DRAM": np.array([[1 << 40, n, 0]], np.uint64).tobytes()})
+        peer = b.add_remote(encode(md))
+        h = b.transfer(Op.READ, b.prep(None, Descs.from_buffers([local])), [0],
+                       b.prep(peer, Descs(np.array([[1 << 40, n, 0]], np.uint64))), [0])
+        t0 = time.monotonic()
+        if end == "timeout":
+            state = b.wait(h, 10)
+            assert state.failed and isinstance(state.cause, TransferTimeout), state
+            assert time.monotonic() - t0 < 5
+        else:
+            time.sleep(1)
+            b.release(h)
+            assert time.monotonic() - t0 < 3  # release did not wait out the owner
+        landed = local.copy()
+        stop.set()
+        owner_thread.join(10)
+        time.sleep(0.5)
+        assert np.array_equal(local, landed) and not (local == 0x77).any()
+    finally:
+        stop.set()
+        b.close()
+        router.close()
+        listener.close()

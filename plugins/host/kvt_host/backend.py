@@ -53,6 +53,7 @@ from .staging import Mirrors
 _TRANSPORTS = ("auto", "cma", "tcp")
 _LIVE: "weakref.WeakValueDictionary[str, HostBackend]" = weakref.WeakValueDictionary()  # by server endpoint
 _POLL = 0.05  # seconds between liveness checks while waiting on a peer
+_STREAM_RETRY = 5.0  # seconds of ZMQ messages after a peer's stream slots were full
 
 
 @dataclass
@@ -77,7 +78,7 @@ class _Job:
     when someone waits on a job still in flight."""
 
     __slots__ = ("op", "lrows", "lkind", "rrows", "rkind", "notif", "peer", "rmapped", "state", "future", "event",
-                 "nbytes", "indexed")
+                 "nbytes", "indexed", "stream")
 
     def __init__(self, op: Op, lrows: np.ndarray, lkind: MemKind, rrows: np.ndarray, rkind: MemKind,
                  notif: bytes | None, peer: "_Peer | None", rmapped: np.ndarray | None = None):
@@ -88,6 +89,7 @@ class _Job:
         self.indexed = None  # (lp, li, rp, ri, lengths, checked): queued for the one-call path
         self.future = None
         self.event: threading.Event | None = None
+        self.stream: Stream | None = None  # the data stream its bytes are moving on, if any (release cuts it)
 
     def finish(self, state: XferState) -> None:
         with _settle:
@@ -189,6 +191,7 @@ class _Peer:
         self.session = None  # kvt.auth.ClientSession of the socket, with a secret
         self.stream: Stream | None = None  # the tcp path's data stream (kvt_host.stream), opened on first use
         self.streams = True                # False once the peer's server turned streams down (an older kvt)
+        self.stream_after = 0.0            # monotonic time before which no stream is asked for (slots were full)
         self._pidfd: int | None = None
         self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
         self.gen = 0  # bumped when the mappings go: preps holding their addresses are then void
@@ -399,9 +402,14 @@ class HostBackend(Backend):
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
         with self._lock:
-            self._regions.remove(handle)
-            self._mirrors.remove(handle)
+            descs = self._regions.remove(handle)
             self._epoch.bump()  # same-host peers holding our old metadata stop copying behind our back
+            # our server's requests still copying from or into it end first: the caller frees it next
+            drained = self._server.inflight.drain(descs, self.timeout)
+            self._mirrors.remove(handle)
+        if not drained:
+            raise KvtTimeoutError(f"a peer's request still used the deregistered memory after {self.timeout:g}s; "
+                                  "do not free it yet (this should not happen: report it)")
 
     # -- peers ----------------------------------------------------------------
 
@@ -657,6 +665,9 @@ class HostBackend(Backend):
         if job is None or job is _DONE:
             return
         job.finish(XferState.err(TransferError("released before completion")))
+        with _settle:  # its bytes stop landing now, not when the peer has sent them all
+            if job.stream is not None:
+                job.stream.abort()
         lane = job.peer.lane if job.peer else self._local
         if job.future is not None and not lane.cancel(job.future):
             wait([job.future], timeout=self.timeout + 1)
@@ -676,7 +687,8 @@ class HostBackend(Backend):
                 self._send_notif(job.peer, job.notif)
             job.finish(XferState.DONE)
         except TransferError as e:
-            if isinstance(e, (PeerDisconnected, TransferTimeout)) and job.peer is not None:
+            # (not when released meanwhile: release cut its stream, the peer is fine)
+            if isinstance(e, (PeerDisconnected, TransferTimeout)) and job.peer is not None and job.state.pending:
                 job.peer.failed = PeerDisconnected(f"peer {job.peer.name!r} is gone ({e}); "
                                                    "re-add its metadata to try again")
             job.finish(XferState.err(e))
@@ -750,11 +762,17 @@ class HostBackend(Backend):
         paired = np.column_stack([local[:, 0], job.rrows[:, 0], job.rrows[:, 1], job.rrows[:, 2]])
         stream = self._stream(peer, job)
         if stream is not None:
+            with _settle:
+                job.stream = stream
             try:
-                stream.move(job.op.value, job.rkind, [(p[:, [0, 2]], p[:, [1, 2, 3]]) for p in chunks(paired)])
+                if job.state.pending:  # not released before it got here
+                    stream.move(job.op.value, job.rkind, [(p[:, [0, 2]], p[:, [1, 2, 3]]) for p in chunks(paired)])
             except (PeerDisconnected, TransferTimeout):
                 peer.drop_stream()
                 raise
+            finally:
+                with _settle:
+                    job.stream = None
             return
         for part in chunks(paired):
             lrows, rrows = part[:, [0, 2]], part[:, [1, 2, 3]]
@@ -769,7 +787,9 @@ class HostBackend(Backend):
     def _stream(self, peer: _Peer, job: _Job) -> Stream | None:
         """The peer's data stream, opened through its server on first use;
         None where the server turns streams down (then the bytes go in ZMQ messages)."""
-        if peer.stream is None and peer.streams:
+        if peer.stream is not None and peer.stream.aborted:  # a release cut it after its move had ended
+            peer.drop_stream()
+        if peer.stream is None and peer.streams and time.monotonic() >= peer.stream_after:
             try:
                 frames = self._request(peer, Request(id=self._next_id(), sender=self.agent_name, op="STREAM"),
                                        None, job)
@@ -778,7 +798,9 @@ class HostBackend(Backend):
                 return None
             rep = decode(frames[0].bytes, Reply)
             host = peer.md.endpoint.rsplit(":", 1)[0].split("//", 1)[-1]
-            peer.stream = Stream(host, rep.port, rep.token, self.timeout, f"peer {peer.name!r}")
+            peer.stream = Stream.open(host, rep.port, rep.token, self.timeout, f"peer {peer.name!r}")
+            if peer.stream is None:  # its stream slots are taken: ZMQ messages for a while
+                peer.stream_after = time.monotonic() + _STREAM_RETRY
         return peer.stream
 
     def _request(self, peer: _Peer, req: Request, payload, job: _Job) -> list:

@@ -13,15 +13,19 @@ size and in how many may wait unread.  Anything else gets a typed refusal
 from __future__ import annotations
 
 import logging
+import socket
+import threading
+import time
+from contextlib import contextmanager
 
 from kvt.auth import Secret
-from kvt.errors import AuthenticationError, InvalidDescriptor, KvtError, WireError
+from kvt.errors import AuthenticationError, InvalidDescriptor, KvtError, ServerBusy, WireError
 from kvt.handshake import RouterServer
 from kvt.types import Descs, MemKind
 from kvt.wire import decode, encode
 
 from .memops import gather, scatter
-from .stream import StreamServer
+from .stream import StreamServer, cut
 from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, Reply, Request, rows_of
 
 log = logging.getLogger(__name__)
@@ -35,6 +39,68 @@ class Refused(Exception):
         self.code = code
 
 
+class _Use:
+    """One peer request between its row check and the end of its copy."""
+
+    __slots__ = ("kind", "rows", "sock")
+
+    def __init__(self, sock: socket.socket | None):
+        self.kind, self.rows, self.sock = None, None, sock
+
+    def touches(self, region: Descs) -> bool:
+        if self.rows is None:  # not checked yet: it may pass the check on the old table
+            return True
+        if self.kind is not region.kind:
+            return False
+        a, n = self.rows[:, 0], self.rows[:, 1]
+        return any(bool(((a < base + size) & (a + n > base)).any()) for base, size in region.array[:, :2].tolist())
+
+    def cut(self) -> None:
+        if self.sock is not None:  # wakes the stream thread's send or recv at once
+            cut(self.sock)
+
+
+class InFlight:
+    """Peer requests that passed (or are about to pass) the row check and
+    have not finished copying.
+
+    ``deregister`` must not return while one of them still copies from or
+    into the memory it removes: the caller frees that memory next (a crash,
+    or bytes of memory we no longer offer).  A request enters before its
+    check; ``drain`` runs after the region left the table (so no new request
+    passes the check), cuts the streams whose rows touch it (their peers see
+    the stream close) and waits for the rest, which copy at memory speed."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._uses: set[_Use] = set()
+
+    @contextmanager
+    def use(self, sock: socket.socket | None = None):
+        u = _Use(sock)
+        with self._cv:
+            self._uses.add(u)
+        try:
+            yield u
+        finally:
+            with self._cv:
+                self._uses.discard(u)
+                self._cv.notify_all()
+
+    def drain(self, region: Descs, timeout: float) -> bool:
+        """False if requests still touched ``region`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while busy := [u for u in self._uses if u.touches(region)]:
+                for u in busy:
+                    u.cut()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+
 class Server(RouterServer):
     """With ``secret`` every request must be authenticated (kvt.auth); the tags
     cover the request/reply header frame (rows, sender, notification) and only
@@ -43,6 +109,7 @@ class Server(RouterServer):
     def __init__(self, backend, host: str, advertise: str, secret: Secret | None = None):
         self._b, self._host = backend, host
         self._stream: StreamServer | None = None  # the tcp path's bulk bytes, opened on first use
+        self.inflight = InFlight()
         super().__init__(self._handle, host, name="kvt-host-server", copy=False,
                          max_msg_bytes=MAX_MESSAGE_BYTES, refuse=self._refuse, secret=secret, covered=1)
         self.endpoint = self.endpoint.replace(f"//{host}:", f"//{advertise}:", 1)
@@ -51,15 +118,15 @@ class Server(RouterServer):
     @staticmethod
     def _refusal(rid: int, e: Exception) -> list:
         """Whatever went wrong, the initiator hears why, as a typed code."""
-        code = e.code if isinstance(e, Refused) else "unauthenticated" if isinstance(e, AuthenticationError) \
-            else "bad_request"
+        code = e.code if isinstance(e, (Refused, ServerBusy)) else "unauthenticated" \
+            if isinstance(e, AuthenticationError) else "bad_request"
         what = f"AuthenticationError: {e}" if isinstance(e, AuthenticationError) \
             else str(e) if isinstance(e, (Refused, KvtError)) else f"{type(e).__name__}: {e}"
         return [encode(Reply(id=rid, error=what[:1024], code=code))]
 
     def _refuse(self, frames, e: Exception) -> list:
         rid = -1  # not even a request id could be read
-        if isinstance(e, AuthenticationError):  # well-formed but unauthenticated: tell its sender at once
+        if isinstance(e, (AuthenticationError, ServerBusy)):  # well-formed but refused: tell its sender at once
             try:
                 rid = decode(frames[0].bytes, Request).id
             except (WireError, IndexError):
@@ -75,20 +142,22 @@ class Server(RouterServer):
 
     def _open_stream(self, req: Request) -> list:
         if self._stream is None:
-            self._stream = StreamServer(self._host, self.checked, self._b.timeout)
+            self._stream = StreamServer(self._host, self.checked, self.inflight, self._b.timeout)
         return [encode(Reply(id=req.id, port=self._stream.port, token=self._stream.issue(req.sender)))]
 
-    def checked(self, op: str, kind: MemKind, rows, sender: str):
+    def checked(self, op: str, kind: MemKind, rows, sender: str, use: _Use):
         """The ``(k, 2)`` host rows a READ or WRITE of ``rows`` from ``sender``
         touches, once every row proved to lie in memory we registered (READ
         staged to host), and what to call once a WRITE landed.  ``Refused``
-        otherwise; nothing has moved then."""
+        otherwise; nothing has moved then.  Call inside ``inflight.use()``
+        and copy before leaving it."""
         if not len(rows):
             raise Refused("bad_request", f"{op} request without rows")
         try:
             Descs(rows).check_rows(f"{op} request", max_rows=MAX_REQUEST_ROWS, max_bytes=MAX_REQUEST_BYTES)
         except InvalidDescriptor as e:
             raise Refused("bad_request", str(e)) from None
+        use.kind, use.rows = kind, rows
         if (Descs(rows).locate(self._b._regions.of(kind)) < 0).any():
             raise Refused("out_of_region", f"{sender!r} asked to {op} {kind.value} memory that "
                                            f"{self._b.agent_name!r} did not register")
@@ -109,7 +178,9 @@ class Server(RouterServer):
         if len(req.sender) > MAX_NAME:
             raise Refused("bad_request", f"sender name longer than {MAX_NAME} characters")
         if req.op == "NOTIF":
-            if len(frames) != 1 or len(req.msg) > self._b.capabilities.max_notif_bytes:
+            if len(frames) != 1:
+                raise Refused("bad_request", "NOTIF request with a payload frame")
+            if len(req.msg) > self._b.capabilities.max_notif_bytes:
                 raise Refused("too_large", f"notification of {len(req.msg)} bytes; the limit is "
                                            f"{self._b.capabilities.max_notif_bytes}")
             if not self._b._inbox.deliver(req.sender, req.msg):
@@ -123,15 +194,16 @@ class Server(RouterServer):
             kind = MemKind(req.kind)
         except ValueError:
             raise Refused("bad_request", f"unknown memory kind {req.kind!r}") from None
-        local, landed = self.checked(req.op, kind, rows_of(req.rows), req.sender)
-        if req.op == "READ":
-            if len(frames) != 1:
-                raise Refused("bad_request", "READ request with a payload frame")
-            return [encode(Reply(id=req.id)), gather(local)]
-        if len(frames) != 2:
-            raise Refused("bad_request", "WRITE request without exactly one payload frame")
-        scatter(local, frames[1].buffer)  # BufferError if the payload does not match the rows
-        landed()
+        with self.inflight.use() as use:
+            local, landed = self.checked(req.op, kind, rows_of(req.rows), req.sender, use)
+            if req.op == "READ":
+                if len(frames) != 1:
+                    raise Refused("bad_request", "READ request with a payload frame")
+                return [encode(Reply(id=req.id)), gather(local)]
+            if len(frames) != 2:
+                raise Refused("bad_request", "WRITE request without exactly one payload frame")
+            scatter(local, frames[1].buffer)  # BufferError if the payload does not match the rows
+            landed()
         return [encode(Reply(id=req.id))]
 
 

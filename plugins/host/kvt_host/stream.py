@@ -11,8 +11,13 @@ many 4 KiB blocks is still a few system calls.
 Setting up: the initiator asks the owner's server (``Request(op="STREAM")``
 on the ZMQ channel, authenticated there when ``auth_key`` is set) for a
 one-time token and a port, connects, and sends the token; the owner binds the
-connection to that peer.  Unknown, reused or late tokens get the connection
-closed.  Then, per request (little-endian)::
+connection to that peer and answers one byte, 1 (served) or 0 (all its
+stream slots are taken: the initiator sends that request's bytes in ZMQ
+messages instead).  Unknown, reused or late tokens get the connection
+closed.  A connection has ``_HELLO_TIMEOUT`` seconds in all to present its
+token, and at most ``_MAX_HELLOS`` may be presenting at once, apart from the
+``_MAX_CONNECTIONS`` being served: a flood of idle connections can delay
+peers' streams, never take their slots.  Then, per request (little-endian)::
 
     initiator -> owner   "kvtS" op:u8 kind:u8 0:u16 rows:u32 | rows x (addr, len, dev):u64 | WRITE: payload
                          (up to _AHEAD more requests may follow before the first answer is read)
@@ -20,9 +25,14 @@ closed.  Then, per request (little-endian)::
 
 The owner checks the rows exactly as its ZMQ server does (``Server.checked``)
 before any byte moves; a refused WRITE's payload is read and dropped, so the
-stream stays in step.  Each connection has its own thread at the owner and a
-socket timeout: a peer that stalls, lies about lengths or disconnects loses
-its own connection, nothing else.
+stream stays in step.  From its check to the end of its copy a request is in
+the server's ``InFlight`` set: ``deregister`` cuts the connection of one that
+touches the memory it removes (the bytes move straight from and into that
+memory).  Each connection has its own thread at the owner and a socket
+timeout: a peer that stalls, lies about lengths or disconnects loses its own
+connection, nothing else.  The initiator gives each ``move`` one deadline
+(``timeout``) and ``abort()`` cuts a move short: once either ends it, no
+more bytes land in its memory.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from .protocol import MAX_REQUEST_BYTES, MAX_REQUEST_ROWS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StreamServer", "Stream"]
+__all__ = ["StreamServer", "Stream", "cut"]
 
 _HEAD = struct.Struct("<4sBBHI")
 _REPLY = struct.Struct("<BBH")
@@ -56,7 +66,8 @@ _TOKEN = 16
 _TOKEN_TTL = 30.0           # seconds a token may wait for its connection
 _MAX_TOKENS = 256           # tokens outstanding at once
 _MAX_CONNECTIONS = 64       # stream connections an owner serves at once
-_HELLO_TIMEOUT = 5.0        # seconds a new connection has to present its token
+_MAX_HELLOS = 64            # connections presenting their token at once (not yet counted above)
+_HELLO_TIMEOUT = 5.0        # seconds a new connection has, in all, to present its token
 _AHEAD = 2                  # requests an initiator sends before reading the first one's answer
 _DIRECT = 256 << 10         # rows at least this long (on average) move straight from/to memory
 
@@ -67,52 +78,71 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def cut(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways: a thread blocked in its send or recv wakes at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def _view(addr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view``; with a ``deadline`` (monotonic) the whole of it must
+    arrive by then (socket.timeout), however the peer trickles it."""
     got, n = 0, len(view)
     while got < n:
+        if deadline is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
         k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError("the other side closed the stream")
         got += k
 
 
-def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+def _recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    _recv_exact(sock, memoryview(buf))
+    _recv_exact(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def send_rows(sock: socket.socket, rows: np.ndarray) -> None:
+def _send_all(sock: socket.socket, data, deadline: float | None) -> None:
+    if deadline is not None:  # sendall's timeout bounds the whole call
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    sock.sendall(data)
+
+
+def send_rows(sock: socket.socket, rows: np.ndarray, deadline: float | None = None) -> None:
     """The bytes of ``(k, 2)`` (address, length) rows, in order."""
     if not len(rows):
         return
     if int(rows[:, 1].sum()) >= _DIRECT * len(rows):
         for addr, n in rows.tolist():
-            sock.sendall(_view(addr, n))
+            _send_all(sock, _view(addr, n), deadline)
     else:
-        sock.sendall(gather(rows))
+        _send_all(sock, gather(rows), deadline)
 
 
-def recv_rows(sock: socket.socket, rows: np.ndarray) -> None:
+def recv_rows(sock: socket.socket, rows: np.ndarray, deadline: float | None = None) -> None:
     """Fill ``(k, 2)`` (address, length) rows from the stream, in order."""
     if not len(rows):
         return
     if int(rows[:, 1].sum()) >= _DIRECT * len(rows):
         for addr, n in rows.tolist():
-            _recv_exact(sock, _view(addr, n))
+            _recv_exact(sock, _view(addr, n), deadline)
     else:
         buf = np.empty(int(rows[:, 1].sum()), np.uint8)
-        _recv_exact(sock, memoryview(buf))
+        _recv_exact(sock, memoryview(buf), deadline)
         scatter(rows, buf)
 
 
-def _discard(sock: socket.socket, n: int) -> None:
+def _discard(sock: socket.socket, n: int, deadline: float) -> None:
     scratch = memoryview(bytearray(min(n, 1 << 20)))
     while n:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
         k = sock.recv_into(scratch[:min(n, len(scratch))])
         if not k:
             raise ConnectionError("the other side closed the stream")
@@ -122,16 +152,18 @@ def _discard(sock: socket.socket, n: int) -> None:
 class StreamServer:
     """The owner side: a listening socket, the tokens handed out, a thread per connection.
 
-    ``serve(op, kind, rows, sender)`` is the ZMQ server's own check: it returns
-    the ``(k, 2)`` host rows to copy from or into and a ``done()`` to call after
-    a WRITE landed (device staging), or raises ``Refused``."""
+    ``check(op, kind, rows, sender, use)`` is the ZMQ server's own check: it
+    returns the ``(k, 2)`` host rows to copy from or into and a ``done()`` to
+    call after a WRITE landed (device staging), or raises ``Refused``;
+    ``inflight`` is the server's ``InFlight``, entered around check and copy."""
 
-    def __init__(self, host: str, check, timeout: float):
-        self._check, self._timeout = check, timeout
+    def __init__(self, host: str, check, inflight, timeout: float):
+        self._check, self._inflight, self._timeout = check, inflight, timeout
         self._sock = socket.create_server((host, 0))
         self.port = self._sock.getsockname()[1]
         self._tokens: dict[bytes, tuple[str, float]] = {}
-        self._conns: set[socket.socket] = set()
+        self._conns: set[socket.socket] = set()  # being served
+        self._hellos = 0                         # connections still presenting their token
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, name=f"kvt-host-stream:{self.port}", daemon=True).start()
@@ -155,23 +187,37 @@ class StreamServer:
             except OSError:
                 return  # closed
             with self._lock:
-                full = len(self._conns) >= _MAX_CONNECTIONS
-                if not full:
-                    self._conns.add(conn)
+                full = self._hellos >= _MAX_HELLOS
+                self._hellos += not full
             if full:
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name=f"kvt-host-stream:{self.port}",
                              daemon=True).start()
 
+    def _hello(self, conn: socket.socket) -> str:
+        """The sender a new connection's token was issued to, once it has a
+        slot ("" to hang up); the initiator hears 1 (served) or 0 (slots full)."""
+        try:
+            token = _recv_bytes(conn, _TOKEN, time.monotonic() + min(self._timeout, _HELLO_TIMEOUT))
+        finally:
+            with self._lock:
+                self._hellos -= 1
+        with self._lock:
+            sender, until = self._tokens.pop(token, ("", 0.0))
+            if not sender or until < time.monotonic():
+                return ""  # unknown, reused or late: nothing more for this connection
+            served = len(self._conns) < _MAX_CONNECTIONS and not self._closed
+            if served:
+                self._conns.add(conn)
+        conn.sendall(b"\x01" if served else b"\x00")
+        return sender if served else ""
+
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(min(self._timeout, _HELLO_TIMEOUT))
-            token = _recv_bytes(conn, _TOKEN)
-            with self._lock:
-                sender, until = self._tokens.pop(token, ("", 0.0))
-            if not sender or until < time.monotonic():
-                return  # unknown, reused or late: nothing more for this connection
+            sender = self._hello(conn)
+            if not sender:
+                return
             _tune(conn)
             while not self._closed:
                 conn.settimeout(None)  # an idle stream waits for its next request
@@ -189,87 +235,109 @@ class StreamServer:
         magic, op, kind, _, n = _HEAD.unpack(head)
         if magic != _MAGIC or op not in (1, 2) or kind >= len(_KINDS) or not 0 < n <= MAX_REQUEST_ROWS:
             raise ValueError("malformed stream request")  # out of step: drop the connection
-        rows = np.frombuffer(_recv_bytes(conn, 24 * n), np.uint64).reshape(n, 3)
-        write = op == 2
+        deadline = time.monotonic() + self._timeout  # for the whole request, however the peer trickles it
+        rows = np.frombuffer(_recv_bytes(conn, 24 * n, deadline), np.uint64).reshape(n, 3)
+        with self._inflight.use(conn) as use:
+            self._serve_rows(conn, sender, op == 2, _KINDS[kind], rows, use, deadline)
+
+    def _serve_rows(self, conn: socket.socket, sender: str, write: bool, kind: MemKind, rows: np.ndarray,
+                    use, deadline: float) -> None:
         try:
-            local, done = self._check("WRITE" if write else "READ", _KINDS[kind], rows, sender)
+            local, done = self._check("WRITE" if write else "READ", kind, rows, sender, use)
         except Exception as e:  # noqa: BLE001 - refused: the peer hears why
             if write:  # its declared payload follows; bounded by the row check's limit, else we hang up
                 total = int(rows[:, 1].sum(dtype=np.uint64)) if (rows[:, 1] <= MAX_REQUEST_BYTES).all() else -1
                 if not 0 <= total <= MAX_REQUEST_BYTES:
                     raise ValueError("refused WRITE with an impossible payload") from None
-                _discard(conn, total)
+                _discard(conn, total, deadline)
             code = getattr(e, "code", "bad_request")
             text = str(e)[:1024].encode()
-            conn.sendall(_REPLY.pack(_CODES.index(code) if code in _CODES else 1, 0, len(text)) + text)
+            _send_all(conn, _REPLY.pack(_CODES.index(code) if code in _CODES else 1, 0, len(text)) + text, deadline)
             return
         if write:
-            recv_rows(conn, local)
+            recv_rows(conn, local, deadline)
             done()
-            conn.sendall(_REPLY.pack(0, 0, 0))
+            _send_all(conn, _REPLY.pack(0, 0, 0), deadline)
         else:
-            conn.sendall(_REPLY.pack(0, 0, 0))
-            send_rows(conn, local)
+            _send_all(conn, _REPLY.pack(0, 0, 0), deadline)
+            send_rows(conn, local, deadline)
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        cut(self._sock)
         self._sock.close()
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            cut(c)
 
 
 class Stream:
     """The initiator side of one peer's stream; used by that peer's worker thread only."""
 
-    def __init__(self, host: str, port: int, token: bytes, timeout: float, who: str):
-        self.who = who
+    def __init__(self, sock: socket.socket, timeout: float, who: str):
+        self._sock, self._timeout, self.who = sock, timeout, who
+        self.aborted = False
+
+    @classmethod
+    def open(cls, host: str, port: int, token: bytes, timeout: float, who: str) -> "Stream | None":
+        """A stream to the owner, or None if it serves as many as it can
+        (the caller sends its bytes in ZMQ messages then)."""
+        deadline = time.monotonic() + timeout
         try:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
-            _tune(self._sock)
-            self._sock.sendall(token)
+            sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
             raise PeerDisconnected(f"cannot open a data stream to {who}: {e}") from None
+        try:
+            _tune(sock)
+            _send_all(sock, token, deadline)
+            served = _recv_bytes(sock, 1, deadline) == b"\x01"
+        except (OSError, ConnectionError):  # busy setting up others' streams, or gone: the ZMQ channel says which
+            served = False
+        if not served:
+            sock.close()
+            return None
+        return cls(sock, timeout, who)
 
     def move(self, op: str, kind: MemKind, parts) -> None:
         """Requests for ``parts``, pairs of ``local`` (k, 2) host rows here and
         ``rrows`` (k, 3) rows at the peer.  Pipelined: up to ``_AHEAD`` more
         requests go out before an answer is read, so the stream does not idle
-        between them; every answer is read, so a refused one keeps it in step."""
+        between them; every answer is read, so a refused one keeps it in step.
+        All of it within ``timeout``: after that (``TransferTimeout``) or an
+        ``abort()`` the stream is closed and nothing more lands."""
         sock, code_of = self._sock, (_OPS[op], _KINDS.index(kind))
+        deadline = time.monotonic() + self._timeout
         refused = None
         try:
             sent = 0
             for i, (local, _) in enumerate(parts):
                 while sent < len(parts) and sent <= i + _AHEAD:
                     out, rrows = parts[sent]
-                    sock.sendall(_HEAD.pack(_MAGIC, *code_of, 0, len(rrows)) +
-                                 np.ascontiguousarray(rrows, np.uint64).tobytes())
+                    _send_all(sock, _HEAD.pack(_MAGIC, *code_of, 0, len(rrows)) +
+                              np.ascontiguousarray(rrows, np.uint64).tobytes(), deadline)
                     if op == "WRITE":
-                        send_rows(sock, out)
+                        send_rows(sock, out, deadline)
                     sent += 1
-                code, _, n = _REPLY.unpack(_recv_bytes(sock, _REPLY.size))
+                code, _, n = _REPLY.unpack(_recv_bytes(sock, _REPLY.size, deadline))
                 if code:
-                    text = _recv_bytes(sock, n).decode("utf-8", "replace")
+                    text = _recv_bytes(sock, n, deadline).decode("utf-8", "replace")
                     refused = refused or RemoteRejected(f"{self.who} refused {op}: {text}")
                 elif op == "READ":
-                    recv_rows(sock, local)
+                    recv_rows(sock, local, deadline)
         except socket.timeout:
             self.close()
-            raise TransferTimeout(f"{self.who} stopped streaming during {op}") from None
+            raise TransferTimeout(f"{self.who} did not finish streaming {op} within {self._timeout:g}s") from None
         except (OSError, ConnectionError) as e:
             self.close()
             raise PeerDisconnected(f"{self.who} closed the data stream during {op}: {e}") from None
         if refused is not None:
             raise refused
+
+    def abort(self) -> None:
+        """Cut a ``move`` running on another thread short (it raises ``PeerDisconnected``)."""
+        self.aborted = True
+        cut(self._sock)
 
     def close(self) -> None:
         self._sock.close()
