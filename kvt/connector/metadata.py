@@ -182,9 +182,13 @@ class ConnectorMetadata(_Packed, msgspec.Struct, kw_only=True):
 
 
 class ReadNotif(_Packed, msgspec.Struct, frozen=True, array_like=True, tag="kvt-read"):
-    """Decode rank ``consumer`` is done with prefill request ``request_id``
-    (``ok=False``: it gave up).  The prefill rank frees once every one of its
-    ``consumer_tp``-derived readers has said so; repeats count once."""
+    """Decode rank ``consumer`` (``"engine_id:rank"``) is done with prefill
+    request ``request_id`` (``ok=False``: it gave up).  The prefill rank frees
+    once every one of its ``consumer_tp``-derived readers has said so;
+    repeats count once.  It counts a notification only from the agent of that
+    decode rank (``engine_id-tp{rank}-...``), from a rank that reads from it,
+    with the ``consumer_tp`` of the request's first notification; one for a
+    request it released in the last minute is dropped."""
 
     _what = "kvt read notification"
 

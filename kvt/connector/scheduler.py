@@ -28,8 +28,10 @@ nothing and the prefill side frees it at once.
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
@@ -60,27 +62,48 @@ class _Spent:
     """Prefill requests this engine already read from or released, kept until
     their lease ends: params used twice (a router's retry, a replay) would
     read blocks the prefill engine has freed and maybe given to another
-    request.  At most ``MAX`` entries, oldest dropped."""
+    request.  At most ``MAX`` entries; past it, the one whose lease ends
+    first is dropped.  Keys are kept as 16-byte BLAKE2b digests (ids may be
+    1 KiB each) and expire through a heap, whatever order leases end in."""
 
     MAX = 1 << 20
+    _USER_CHARS = 256  # of our request id, for the error message
 
     def __init__(self) -> None:
-        self._by: dict[tuple[str, str], tuple[float, str]] = {}  # (engine, request) -> (until, our request)
-        self._order: deque[tuple[float, tuple[str, str]]] = deque()
+        self._by: dict[bytes, tuple[float, str]] = {}  # digest(engine, request) -> (until, our request)
+        self._heap: list[tuple[float, int, bytes]] = []  # (until, seq, digest); stale ones skipped when popped
+        self._seq = 0  # equal leases: the oldest goes first
+
+    @staticmethod
+    def _digest(key: tuple[str, str]) -> bytes:
+        h = hashlib.blake2b(digest_size=16, person=b"kvt-spent-params")
+        for part in key:
+            raw = part.encode("utf-8", "surrogatepass")
+            h.update(len(raw).to_bytes(8, "little"))
+            h.update(raw)
+        return h.digest()
 
     def user(self, key: tuple[str, str]) -> str | None:
         """Our request that used ``key``, if its lease has not ended."""
-        hit = self._by.get(key)
+        hit = self._by.get(self._digest(key))
         return hit[1] if hit is not None and hit[0] > time.time() else None
+
+    def _pop(self) -> None:
+        until, _, digest = heapq.heappop(self._heap)
+        if self._by.get(digest, (None,))[0] == until:
+            del self._by[digest]
 
     def add(self, key: tuple[str, str], until: float, req_id: str) -> None:
         now = time.time()
-        while self._order and (self._order[0][0] <= now or len(self._order) >= self.MAX):
-            old_until, old = self._order.popleft()
-            if self._by.get(old, (None,))[0] == old_until:
-                del self._by[old]
-        self._by[key] = (until, req_id)
-        self._order.append((until, key))
+        while self._heap and (self._heap[0][0] <= now or len(self._by) >= self.MAX):
+            self._pop()
+        if len(self._heap) > 2 * self.MAX:  # pairs left by keys added again: rebuild
+            self._heap = [e for e in self._heap if self._by.get(e[2], (None,))[0] == e[0]]
+            heapq.heapify(self._heap)
+        digest = self._digest(key)
+        self._by[digest] = (until, req_id[:self._USER_CHARS])
+        self._seq += 1
+        heapq.heappush(self._heap, (until, self._seq, digest))
 
 
 class ConnectorScheduler:
@@ -151,9 +174,17 @@ class ConnectorScheduler:
         prefix hit — only the notification that lets the prefill side free).
         Prefill side with host staging: schedules the device -> host copy of
         the blocks this step fills; call again, with all blocks, whenever more
-        are allocated (chunked prefill)."""
+        are allocated (chunked prefill).
+
+        Params with both ``do_remote_prefill`` and ``do_remote_decode`` (a
+        router that merged the original request's params into the prefill's)
+        are a decode request, as in ``get_num_new_matched_tokens`` and
+        ``request_finished`` (and vLLM's NixlConnector): the read is
+        scheduled and ``do_remote_decode`` is cleared with
+        ``do_remote_prefill``, so the request is not held as a prefill when
+        it ends."""
         params, req_id = request.kv_transfer_params, request.request_id
-        if params and params.get("do_remote_decode"):
+        if params and not params.get("do_remote_prefill") and params.get("do_remote_decode"):
             if self.config.staging and len(block_ids):
                 # blocks saved before stay as they were, except the last one, which may have grown
                 start = max(self._saved.get(req_id, 0) - 1, 0)
@@ -169,6 +200,8 @@ class ConnectorScheduler:
             raise InvalidArgument(f"request {request.request_id!r}: {num_external_tokens} tokens to load need "
                                   f"blocks {max(start, 0)}..{end - 1}, got {len(block_ids)} blocks")
         params["do_remote_prefill"] = False  # one transfer per request
+        if params.get("do_remote_decode"):
+            params["do_remote_decode"] = False  # a decode request (see above), never held as a prefill
         if p.remote_block_ids:
             self._recv(request.request_id, p, list(block_ids[start:end]), p.remote_block_ids[start:end])
 
@@ -208,8 +241,10 @@ class ConnectorScheduler:
         req_id, params = request.request_id, request.kv_transfer_params
         if not params:
             return False, None
-        if params.get("do_remote_prefill"):  # decode side, never scheduled
+        if params.get("do_remote_prefill"):  # decode side, never scheduled (wins over do_remote_decode)
             params["do_remote_prefill"] = False
+            if params.get("do_remote_decode"):
+                params["do_remote_decode"] = False
             try:
                 p = TransferParams.parse(params)
             except InvalidArgument:

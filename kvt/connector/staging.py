@@ -13,22 +13,33 @@ from __future__ import annotations
 
 from typing import Callable, Literal, Sequence
 
+import numpy as np
+
 __all__ = ["CopyBlocks", "HostStaging", "copy_blocks"]
 
-#: ``copy_blocks(src_buffers, dst_buffers, block_ids, direction)``
+#: ``copy_blocks(src_buffers, dst_buffers, block_ids, direction)``; ``HostStaging`` passes
+#: ``block_ids`` as a 1-D int64 numpy array (no per-block Python objects)
 CopyBlocks = Callable[[Sequence, Sequence, Sequence[int], Literal["d2h", "h2d"]], None]
 
 
 def copy_blocks(src: Sequence, dst: Sequence, block_ids: Sequence[int], direction: str) -> None:
-    """``dst[b] = src[b]`` for every block id, every buffer (block-first)."""
+    """``dst[b] = src[b]`` for every block id, every buffer (block-first).
+    The index tensor is built once (per device), not once per buffer."""
     import torch
 
     if not len(block_ids):
         return
+    ids = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+    on: dict = {}  # device -> the index there
+
+    def index(device):
+        if device not in on:
+            on[device] = ids.to(device)
+        return on[device]
+
     for s, d in zip(src, dst):
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=s.device)
-        picked = s.index_select(0, idx)
-        d.index_copy_(0, idx.to(d.device), picked.to(d.device, non_blocking=direction == "h2d"))
+        picked = s.index_select(0, index(s.device))
+        d.index_copy_(0, index(d.device), picked.to(d.device, non_blocking=direction == "h2d"))
     if direction == "h2d" and torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -45,8 +56,8 @@ class HostStaging:
 
     def save(self, block_ids: Sequence[int]) -> None:
         """Device -> host, before the blocks may be read."""
-        self._copy(self.device, self.host, list(block_ids), "d2h")
+        self._copy(self.device, self.host, np.asarray(block_ids, dtype=np.int64), "d2h")
 
     def load(self, block_ids: Sequence[int]) -> None:
         """Host -> device, after a read landed."""
-        self._copy(self.host, self.device, list(block_ids), "h2d")
+        self._copy(self.host, self.device, np.asarray(block_ids, dtype=np.int64), "h2d")

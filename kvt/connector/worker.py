@@ -11,7 +11,10 @@ Per engine step the engine calls, in order::
 Decode side: each ``reqs_to_recv`` entry needs the prefill engine's worker
 metadata; one handshake per remote engine runs on a background thread (it
 only talks to the side channel and checks compatibility; the backend is
-touched on the engine's thread).  Reads start as soon as it completes.  A
+touched on the engine's thread).  Reads start as soon as it completes.  One
+connection is kept per engine id, with the endpoints it was made through: a
+request naming other endpoints handshakes with those (and its connection
+replaces the old one), it never reads through the old connection.  A
 request whose handshake or read fails is still returned by ``get_finished``
 — with its blocks in ``get_block_ids_with_load_errors`` — so the engine can
 recompute or fail it; it is never reported loaded when it is not.
@@ -19,7 +22,14 @@ recompute or fail it; it is never reported loaded when it is not.
 Prefill side: ``reqs_to_send`` requests are held until every decode rank
 that reads this rank's blocks has sent its ``ReadNotif`` (attached to its
 read, so it arrives after the data left), or until ``expires_at``; then
-they are returned as done sending and the engine frees their blocks.
+they are returned as done sending and the engine frees their blocks.  A
+notification counts only when it comes from the decode rank it names (see
+``ReadNotif``).
+
+Nothing but ``InvalidArgument`` / ``ClosedError`` for a misuse leaves
+``start_load_kv`` or ``get_finished``: a failure inside the connector fails
+the requests it affects (returned with their blocks in
+``get_block_ids_with_load_errors``).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -52,7 +63,13 @@ _SLACK = 5.0  # seconds past transfer_timeout before we stop waiting on a backen
 # notifications for requests we do not hold (yet): legitimately a few at a time (a read that
 # beat its hold), so a peer naming made-up requests or readers is bounded here, oldest dropped
 MAX_EARLY, MAX_EARLY_READERS = 1024, 64
+# requests released recently: a notification for one of them (a repeat, a reader that came after
+# expiry) is dropped, not kept as "early" for a later hold reusing the id; oldest dropped past the cap
+MAX_RELEASED, RELEASED_TTL = 1 << 16, 60.0
 QUIET = 10.0  # seconds between the warnings a peer's bad notifications can cause
+# handshake threads per worker: they mostly wait on the network, so a few peers that never answer
+# (params naming dead or silent endpoints) must not hold up the handshakes queued behind them
+HANDSHAKE_THREADS = 32
 
 
 @dataclass
@@ -73,6 +90,7 @@ class _Remote:
     peers: dict[int, str]  # remote rank -> agent peer name
     paths: list[_Path]
     notify_only: list[str]
+    endpoints: tuple[str, ...] = ()  # what it was handshaken through: requests naming others re-handshake
 
 
 @dataclass
@@ -96,6 +114,7 @@ class _Send:
     expires_at: float | None = None
     readers: set[str] = field(default_factory=set)
     expected: int = 1
+    consumer_tp: int | None = None  # fixed by the first notification: later ones must agree
     seen: float = field(default_factory=time.monotonic)
 
 
@@ -119,7 +138,7 @@ class ConnectorWorker:
         self._layout: BlockLayout | None = None
         self._parts = 1
         self._meta = ConnectorMetadata()
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix=f"kvt-connector-handshake-{tp_rank}")
+        self._pool = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix=f"kvt-connector-handshake-{tp_rank}")
         # in flight per (engine, endpoints): one per remote engine, unless a request names other endpoints
         self._handshakes: dict[tuple, tuple[Future, RemoteSource]] = {}
         self._waiting: dict[tuple, list[tuple[str, RecvRequest]]] = {}
@@ -129,6 +148,7 @@ class ConnectorWorker:
         self._loading: dict[str, _Recv] = {}
         self._sends: dict[str, _Send] = {}
         self._early: dict[str, _Send] = {}  # notifications that came before their reqs_to_send
+        self._released: OrderedDict[str, float] = OrderedDict()  # request -> monotonic time it was released
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._invalid: set[int] = set()
@@ -256,6 +276,7 @@ class ConnectorWorker:
     # -- prefill side ---------------------------------------------------------
 
     def _hold(self, req_id: str, expires_at: float) -> None:
+        self._released.pop(req_id, None)  # a new hold under a reused id: its readers count from now
         entry = self._early.pop(req_id, None) or _Send()
         entry.expires_at = expires_at
         if entry.readers and len(entry.readers) >= entry.expected:
@@ -271,16 +292,48 @@ class ConnectorWorker:
                 except WireError as e:
                     self._bad_notif(sender, e)
                     continue
-                entry = self._sends.get(n.request_id) or self._early_entry(n.request_id)
+                if why := self._reader_problem(sender, n):
+                    self._bad_notif(sender, why)
+                    continue
+                entry = self._sends.get(n.request_id)
                 if entry is None:
+                    if n.request_id in self._released:
+                        continue  # a repeat, or a reader after expiry: the blocks are freed already
+                    entry = self._early_entry(n.request_id)
+                    if entry is None:
+                        continue
+                if entry.consumer_tp is None:  # the first reader fixes how many readers to wait for
+                    entry.consumer_tp = n.consumer_tp
+                    entry.expected = readers_per_rank(self.config.tp_size, n.consumer_tp)
+                elif n.consumer_tp != entry.consumer_tp:
+                    self._bad_notif(sender, f"request {n.request_id!r}: reader {n.consumer!r} says decode TP "
+                                            f"{n.consumer_tp}, an earlier reader said {entry.consumer_tp}")
                     continue
                 entry.readers.add(n.consumer)
-                entry.expected = readers_per_rank(self.config.tp_size, n.consumer_tp)
                 if n.request_id in self._sends and len(entry.readers) >= entry.expected:
                     del self._sends[n.request_id]
                     self._release_send(n.request_id)
 
-    def _bad_notif(self, sender: str, e: WireError) -> None:
+    def _reader_problem(self, sender: str, n: ReadNotif) -> str | None:
+        """Why ``n`` cannot count as one of our readers: its consumer must be
+        ``engine:rank`` of the agent that sent it (``engine-tp{rank}-...``), a
+        rank of ``consumer_tp`` that reads from this rank."""
+        engine, sep, rank = n.consumer.rpartition(":")
+        if not sep or not (rank.isascii() and rank.isdigit()) or len(rank) > 4:
+            return f"reader {n.consumer[:80]!r} is not 'engine:rank'"
+        r = int(rank)
+        if not sender.startswith(f"{engine}-tp{r}-"):
+            return f"reader {n.consumer[:80]!r} is not the agent that sent it"
+        try:
+            reads_us = r < n.consumer_tp and self.rank in remote_ranks(r, n.consumer_tp, self.config.tp_size)
+        except IncompatiblePeer:
+            reads_us = False
+        if not reads_us:
+            return (f"decode rank {r} of TP {n.consumer_tp} does not read from prefill rank {self.rank} of TP "
+                    f"{self.config.tp_size}")
+        return None
+
+    def _bad_notif(self, sender: str, e: "WireError | str") -> None:
         # counted always, logged at most once per QUIET seconds: a flooding peer must not fill the log
         self.stats["bad_notifs"] += 1
         if (now := time.monotonic()) - self._warned_at >= QUIET:
@@ -289,8 +342,8 @@ class ConnectorWorker:
                         "%gs)", sender, e, self.stats["bad_notifs"], QUIET)
 
     def _early_entry(self, req_id: str) -> _Send | None:
-        """The entry of a request not held (before its reqs_to_send, or after
-        it expired); None once it has all the readers we keep."""
+        """The entry of a request not held yet (before its reqs_to_send); None
+        once it has all the readers we keep."""
         entry = self._early.get(req_id)
         if entry is None:
             if len(self._early) >= MAX_EARLY:
@@ -300,7 +353,14 @@ class ConnectorWorker:
 
     def _release_send(self, req_id: str) -> None:
         self.stats["released_by_readers"] += 1
+        self._released_now(req_id)
+
+    def _released_now(self, req_id: str) -> None:
         self._done_sending.add(req_id)
+        self._released.pop(req_id, None)
+        if len(self._released) >= MAX_RELEASED:
+            self._released.popitem(last=False)
+        self._released[req_id] = time.monotonic()
 
     def _expire(self) -> None:
         now, mono = time.time(), time.monotonic()
@@ -309,7 +369,10 @@ class ConnectorWorker:
             log.warning("releasing request %s: its blocks expired after %d of %d readers",
                         req_id, len(s.readers), s.expected)
             self.stats["expired"] += 1
-            self._done_sending.add(req_id)
+            self._released_now(req_id)
+        ttl = max(RELEASED_TTL, 2 * (self.config.transfer_timeout + _SLACK))  # a late reader's ok=False
+        while self._released and mono - next(iter(self._released.values())) > ttl:
+            self._released.popitem(last=False)
         while self._early:  # oldest first: a reader of a request we never held (or already released)
             req_id, s = next(iter(self._early.items()))
             if mono - s.seen <= self.config.abort_request_timeout:
@@ -318,16 +381,20 @@ class ConnectorWorker:
 
     # -- decode side ----------------------------------------------------------
 
-    def _schedule(self, req_id: str, req: RecvRequest) -> None:
+    def _schedule(self, req_id: str, req: RecvRequest, retry_of: dict[str, bytes] | None = None,
+                  first_error: str | None = None) -> None:
         if req.local_block_ids:
             if req_id in self._loading:
                 raise InvalidArgument(f"request {req_id!r} is already loading on this worker")
-            self._loading[req_id] = _Recv(req)
+            self._loading[req_id] = _Recv(req, retry_of=retry_of, first_error=first_error)
         src = req.remote
-        if src.engine_id in self._remotes:
-            self._start(req_id, req)
-            return
         key = (src.engine_id, tuple(src.endpoints))
+        remote = self._remotes.get(src.engine_id)
+        if remote is not None and remote.endpoints == key[1]:
+            self._start(req_id, req, remote)
+            return
+        # a request naming other endpoints for a known engine (a restart on new ports, or params
+        # pointing elsewhere) handshakes with them: it never reads through another request's connection
         self._waiting.setdefault(key, []).append((req_id, req))
         if key not in self._handshakes:
             self._handshakes[key] = (self._pool.submit(self._handshake, src), src)
@@ -353,9 +420,13 @@ class ConnectorWorker:
                 continue
             del self._handshakes[key]
             waiting, engine_id = self._waiting.pop(key, []), src.engine_id
+            remote = self._remotes.get(engine_id)
             try:
-                if engine_id not in self._remotes:  # else another handshake connected it meanwhile
-                    self._connect(engine_id, src.tp_size, fut.result())
+                if remote is None or remote.endpoints != key[1]:  # else connected meanwhile (a retry)
+                    remote = self._connect(engine_id, src.tp_size, tuple(src.endpoints), fut.result())
+                    if (old := self._remotes.get(engine_id)) is not None:
+                        self._retired.append(old)  # released once no read uses it
+                    self._remotes[engine_id] = remote
             except Exception as e:  # a bug must fail the requests too, never pass them as loaded
                 if not isinstance(e, KvtError):
                     log.exception("handshake with engine %s failed", engine_id)
@@ -364,9 +435,10 @@ class ConnectorWorker:
                     self._give_up(req_id, req, why)
                 continue
             for req_id, req in waiting:
-                self._start(req_id, req)
+                self._start(req_id, req, remote)
 
-    def _connect(self, engine_id: str, tp_size: int, infos: list[tuple[int, AgentInfo]]) -> None:
+    def _connect(self, engine_id: str, tp_size: int, endpoints: tuple[str, ...],
+                 infos: list[tuple[int, AgentInfo]]) -> _Remote:
         peers: dict[int, str] = {}
         preps: list[PrepHandle] = []
         try:
@@ -395,7 +467,7 @@ class ConnectorWorker:
             for peer in peers.values():
                 self._quietly(self.agent.remove_peer, peer)
             raise
-        self._remotes[engine_id] = _Remote(tp_size, peers, paths, [peers[r] for r in plan.notify_only])
+        return _Remote(tp_size, peers, paths, [peers[r] for r in plan.notify_only], endpoints)
 
     def _local_prep(self, sl: Slice) -> tuple[BlockLayout, PrepHandle]:
         if sl not in self._local_preps:
@@ -403,9 +475,15 @@ class ConnectorWorker:
             self._local_preps[sl] = (lay, self.agent.backend.prep(None, lay.descs()))
         return self._local_preps[sl]
 
-    def _start(self, req_id: str, req: RecvRequest) -> None:
+    def _start(self, req_id: str, req: RecvRequest, remote: _Remote) -> None:
+        try:
+            self._start_reads(req_id, req, remote)
+        except Exception as e:  # a bug must fail the request, never escape into the engine's step
+            log.exception("request %s: starting its read failed", req_id)
+            self._give_up(req_id, req, f"starting the read failed: {type(e).__name__}: {e}")
+
+    def _start_reads(self, req_id: str, req: RecvRequest, remote: _Remote) -> None:
         src = req.remote
-        remote = self._remotes[src.engine_id]
         notif = ReadNotif(src.request_id, self.consumer, self.config.tp_size).encode()
         if remote.tp_size != src.tp_size:
             self._give_up(req_id, req, f"prefill engine {src.engine_id!r} has TP {remote.tp_size}, the request "
@@ -440,9 +518,14 @@ class ConnectorWorker:
             recv.error = f"posting the read failed: {type(e).__name__}: {e}"
         recv.post_s = time.perf_counter() - recv.posted
 
-    def _incarnations(self, remote: "_Remote") -> dict[str, bytes]:
-        """The backend metadata of a connection's peers: it changes when a peer restarts."""
-        return {p: self.agent.peer_info(p).metadata for p in remote.peers.values()}
+    def _incarnations(self, remote: "_Remote") -> dict[str, bytes] | None:
+        """The backend metadata of a connection's peers: it changes when a peer
+        restarts.  None when a peer is not known any more (treat as changed)."""
+        try:
+            return {p: self.agent.peer_info(p).metadata for p in remote.peers.values()}
+        except KvtError as e:
+            log.debug("incarnations of %s: %s", sorted(remote.peers.values()), e)
+            return None
 
     def _give_up(self, req_id: str, req: RecvRequest, why: str) -> None:
         log.warning("request %s: %s", req_id, why)
@@ -482,9 +565,27 @@ class ConnectorWorker:
                 recv.error = recv.error or (f"read did not finish within "
                                             f"{self.config.transfer_timeout + _SLACK:g}s")
                 recv.peer_lost = True
-            self._finish(req_id, recv)
+            try:
+                self._finish(req_id, recv)
+            except Exception as e:  # a bug must fail the request, never escape into the engine's step
+                log.exception("request %s: finishing its read failed", req_id)
+                self._fail_hard(req_id, recv, f"finishing the read failed: {type(e).__name__}: {e}")
         if self._retired:
             self._reap()
+
+    def _fail_hard(self, req_id: str, recv: _Recv, why: str) -> None:
+        """Report ``req_id`` failed whatever state ``_finish`` left it in."""
+        if self._loading.get(req_id) is recv:
+            del self._loading[req_id]
+            for t in recv.transfers:
+                self._quietly(Transfer.release, t)
+                self._live -= 1
+        elif req_id in self._loading:
+            return  # it was rescheduled (a retry): that one reports it
+        self.stats["recv_failed"] += 1
+        self._invalid.update(recv.req.local_block_ids)
+        self._failures[req_id] = why
+        self._done_recving.add(req_id)
 
     def _finish(self, req_id: str, recv: _Recv) -> None:
         del self._loading[req_id]
@@ -495,9 +596,13 @@ class ConnectorWorker:
         if recv.error is None and recv.transfers:
             if why := self._lease_problem(recv.req.remote.expires_at):
                 recv.error = f"the read finished too late: {why}"
-        if recv.error is None:
-            if self._staging is not None:
+        if recv.error is None and self._staging is not None:
+            try:
                 self._staging.load(ids)
+            except Exception as e:
+                log.exception("request %s: copying its blocks host -> device failed", req_id)
+                recv.error = f"copying the blocks host -> device failed: {type(e).__name__}: {e}"
+        if recv.error is None:
             self.stats["reads"] += len(recv.transfers)
             self.stats["bytes_read"] += sum(t.nbytes for t in recv.transfers)
             self.stats["recv_ok"] += 1
@@ -510,12 +615,14 @@ class ConnectorWorker:
                 self._retired.append(self._remotes.pop(src.engine_id))
             if (recv.peer_lost and recv.retry_of is None and recv.remote is not None
                     and self._lease_problem(src.expires_at) is None):
-                log.warning("request %s: %s; retrying once after a new handshake", req_id, recv.error)
-                self.stats["retried"] += 1
-                self._schedule(req_id, recv.req)
-                retry = self._loading[req_id]
-                retry.retry_of, retry.first_error = self._incarnations(recv.remote), recv.error
-                return
+                # the retry reads only from the same incarnation: checked in _start, also when
+                # another request re-handshook the engine already and the retry starts at once
+                if (before := self._incarnations(recv.remote)) is not None:
+                    log.warning("request %s: %s; retrying once after a new handshake", req_id, recv.error)
+                    self.stats["retried"] += 1
+                    self._schedule(req_id, recv.req, retry_of=before, first_error=recv.error)
+                    return
+                recv.error += "; not retried: the connection's peer is gone"
             self.stats["recv_failed"] += 1
             self._invalid.update(ids)
             self._failures[req_id] = (recv.error if recv.first_error is None
@@ -526,9 +633,12 @@ class ConnectorWorker:
         self._done_recving.add(req_id)
 
     def _reap(self) -> None:
-        """Release retired connections that no read uses any more."""
+        """Release retired connections that no read uses any more; a peer
+        stays while any connection still in use (current, or retired with a
+        read in flight) names it."""
         busy = {id(r.remote) for r in self._loading.values()}
-        live = {p for r in self._remotes.values() for p in r.peers.values()}
+        in_use = [*self._remotes.values(), *(r for r in self._retired if id(r) in busy)]
+        live = {p for r in in_use for p in r.peers.values()}
         for remote in [r for r in self._retired if id(r) not in busy]:
             self._retired.remove(remote)
             for path in remote.paths:
@@ -547,8 +657,8 @@ class ConnectorWorker:
         for peer in peers:
             try:
                 self.agent.notify(peer, msg)
-            except KvtError as e:  # the prefill side then frees on expiry
-                log.warning("notifying %s: %s", peer, e)
+            except Exception as e:  # the prefill side then frees on expiry
+                log.warning("notifying %s: %s: %s", peer, type(e).__name__, e)
 
     # -- lifecycle ------------------------------------------------------------
 

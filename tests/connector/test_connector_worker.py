@@ -47,7 +47,7 @@ def workers():
         w.shutdown()
 
 
-def pump(workers_, until, timeout=10.0):
+def pump(workers_, until, timeout=20.0):
     """Step the workers (at least once) until ``until()``; every wait bounded."""
     deadline = time.monotonic() + timeout
     while True:
@@ -160,7 +160,8 @@ def test_notification_before_the_hold(workers):
 def test_notifications_for_requests_not_held_are_bounded(workers, monkeypatch):
     """A peer naming made-up requests, or one request with made-up readers,
     costs the prefill worker a bounded set-aside (oldest dropped); a real
-    early reader is still honoured."""
+    early reader is still honoured.  Readers that are not the sending decode
+    rank are refused outright (counted as bad notifications)."""
     import kvt.connector.worker as worker_module
 
     monkeypatch.setattr(worker_module, "MAX_EARLY", 8)
@@ -171,13 +172,22 @@ def test_notifications_for_requests_not_held_are_bounded(workers, monkeypatch):
     psched.set_worker_endpoints({0: endpoint})
     _, params = psched.request_finished(EngineRequest("req", 8, {"do_remote_decode": True}), [1, 2])
     prefill_peer = d.agent.connect(endpoint)
-    flood = [ReadNotif(f"made-up-{i}", "d:0", 1) for i in range(50)]
-    flood += [ReadNotif("made-up-49", f"reader-{i}", 1024) for i in range(50)]
-    for n in flood:
+    made_up_readers = [ReadNotif("made-up-49", f"reader-{i}", 1024) for i in range(50)]
+    for n in made_up_readers:
         d.agent.notify(prefill_peer, n.encode())
     p_done = [set(), set()]
+    pump([(p, p_done)], lambda: p.stats["bad_notifs"] == 50)
+    assert not p._early
+    # were they not refused (a peer that can claim any reader), one request keeps at most 4
+    monkeypatch.setattr(p, "_reader_problem", lambda sender, n: None)
+    flood = [ReadNotif(f"made-up-{i}", "d:0", 1) for i in range(50)]
+    flood += [ReadNotif("made-up-49", f"reader-{i}", 1) for i in range(50)]
+    for n in flood:
+        d.agent.notify(prefill_peer, n.encode())
     held_for = lambda req_id: getattr(p._early.get(req_id), "readers", ())  # noqa: E731
     pump([(p, p_done)], lambda: p.outstanding()["early_notifs"] == 8 and len(held_for("made-up-49")) == 4)
+    monkeypatch.undo()
+    monkeypatch.setattr(worker_module, "MAX_EARLY", 8)
     assert "made-up-0" not in p._early  # the oldest went first
     d.agent.notify(prefill_peer, ReadNotif("req", "d:0", 1).encode())  # the real reader, before the hold
     pump([(p, p_done)], lambda: "req" in p._early)
