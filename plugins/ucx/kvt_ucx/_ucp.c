@@ -75,7 +75,7 @@ typedef struct {
     /* the second lane (split_bytes > 0): worker1 under mu1, fed by the helper thread */
     size_t split_bytes, chunk; /* chunk: a quarter of split_bytes, 64 KiB to 1 MiB, whole pages */
     ucp_worker_h worker1;
-    pthread_mutex_t mu1, qmu; /* order: mu1 before qmu; mu never held with either */
+    pthread_mutex_t mu1, qmu; /* order: mu1, then mu, then qmu (or a job's mu); mu is never held while waiting for mu1 */
     pthread_cond_t qcv;
     struct job_s *jobs, *jobs_tail, *current, *done; /* queued, running, finished (under qmu) */
     pthread_t helper;
@@ -84,17 +84,25 @@ typedef struct {
 
 typedef struct {
     ucs_status_t status;      /* UCS_OK while usable; the error UCX (or the pid watch) reported */
-    int closing;
+    int closing;              /* under mu: the endpoint is closed (nothing more is sent on it) */
     int pidfd;                /* the peer process (same host), watched by the progress thread; or -1 */
+    int refs;                 /* under mu: the open endpoint and each transfer posted on it */
+    int watched;              /* named by an epoll event and by ep1's error handler: never freed */
 } ep_state_t;
 
+/* Teardown and use from several Python threads: every call that releases the
+   GIL (to wait for mu or mu1, or while posting a large request) checks again,
+   once it holds the lock, that what it uses is still there.  ep and st are
+   cleared under mu, ep1 under mu1 and mu (read under either), a key's rkey and
+   rkey1 under mu1 and mu; teardown takes what it frees out of the object under
+   the lock (so two threads never free one handle) and frees it after. */
 typedef struct {
     PyObject_HEAD
     Worker *w;
     ucp_ep_h ep;
     ep_state_t *st;
     int peer_mode;
-    void *addr;     /* the peer's worker address (padded copy), for ep1 */
+    void *addr;     /* the peer's worker address (padded copy), for ep1; freed with the object */
     ucp_ep_h ep1;   /* on worker1: same-host peers only (see watch) */
 } Endpoint;
 
@@ -108,7 +116,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Worker *w;
-    ucp_mem_h memh;
+    ucp_mem_h memh; /* cleared under mu */
 } MemHandle;
 
 typedef struct xfer_s {
@@ -116,6 +124,7 @@ typedef struct xfer_s {
     ucs_status_t status;      /* UCS_INPROGRESS until it ends */
     Worker *w;
     ucp_ep_h ep;
+    ep_state_t *st;           /* ep's state (a reference): no notification once it is closing */
     char *notif;              /* name, then message */
     size_t name_len, notif_len;
     int parts;                /* flushes still to come: 1, or 2 when split across lanes */
@@ -123,8 +132,10 @@ typedef struct xfer_s {
     ucs_status_t part_err;    /* the first error of any part */
 } xfer_t;
 
+/* A run of pairs, contiguous on both sides under one key: what post() posts,
+   gathered from the caller's tables while checking them (read once). */
 typedef struct {
-    uint64_t laddr, raddr, len;
+    uint64_t laddr, raddr, len, k;
 } run_t;
 
 /* A split request: chunks that the caller claims from the front and the helper from the back. */
@@ -169,13 +180,26 @@ static PyObject *raise_status(ucs_status_t st, const char *what)
 
 static int check_open(Worker *w)
 {
-    if (w->closed) {
+    if (w->closed || w->worker == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the UCX worker is closed");
         return -1;
     }
     return 0;
 }
 
+/* The endpoint (or a key of it) went away meanwhile: the module's Error, status NOT_CONNECTED. */
+static PyObject *raise_gone(const char *what)
+{
+    PyObject *v = Py_BuildValue("(si)", what, (int)UCS_ERR_NOT_CONNECTED);
+    if (v != NULL) {
+        PyErr_SetObject(UcpError, v);
+        Py_DECREF(v);
+    }
+    return NULL;
+}
+
+/* With the GIL: take mu, letting other threads run while waiting.  Never call
+   into Python (anything that allocates objects may run finalizers) holding it. */
 static void lock(Worker *w)
 {
     if (pthread_mutex_trylock(&w->mu) != 0) {
@@ -186,6 +210,35 @@ static void lock(Worker *w)
 }
 
 static void unlock(Worker *w) { pthread_mutex_unlock(&w->mu); }
+
+/* lock(), then whether the worker is still open (else unlocked, RuntimeError set). */
+static int lock_open(Worker *w)
+{
+    lock(w);
+    if (w->closed || w->worker == NULL) {
+        unlock(w);
+        PyErr_SetString(PyExc_RuntimeError, "the UCX worker is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* With the GIL: take mu1 (the second lane's), which may be held for a whole job. */
+static void lock1(Worker *w)
+{
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&w->mu1);
+    Py_END_ALLOW_THREADS
+}
+
+#define LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED) /* read once: the caller's memory may change meanwhile */
+
+/* Under mu: drop a reference to an endpoint's state. */
+static void st_unref(ep_state_t *s)
+{
+    if (s != NULL && --s->refs == 0 && !s->watched)
+        free(s);
+}
 
 static void poke(Worker *w)
 {
@@ -199,6 +252,7 @@ static void poke(Worker *w)
 static void xfer_decref(xfer_t *x)
 {
     if (--x->refs == 0) {
+        st_unref(x->st);
         free(x->notif);
         free(x);
     }
@@ -246,6 +300,10 @@ static void flushed(xfer_t *x, ucs_status_t st)
         return; /* cancelled or timed out meanwhile */
     if (st != UCS_OK || x->notif == NULL) {
         xfer_end(x, st);
+        return;
+    }
+    if (x->w->closed || x->st == NULL || x->st->closing) { /* its endpoint is closed (or going): not sent */
+        xfer_end(x, UCS_ERR_CANCELED);
         return;
     }
     void *req;
@@ -565,8 +623,17 @@ static void enqueue(Worker *w, job_t *j)
 
 /* -- Worker ---------------------------------------------------------------- */
 
+/* Close the worker (with the GIL; idempotent).  It is marked closed under mu
+   first: a thread that passed check_open and then waited for mu sees it and
+   does nothing; UCP objects are destroyed under their worker's lock. */
 static void worker_free_ucx(Worker *w)
 {
+    lock(w);
+    int was_closed = w->closed;
+    w->closed = 1;
+    unlock(w);
+    if (was_closed)
+        return;
     if (w->thread_started) {
         w->stop = 1;
         poke(w);
@@ -584,14 +651,17 @@ static void worker_free_ucx(Worker *w)
         pthread_join(w->helper, NULL); /* it drains the queue first */
         Py_END_ALLOW_THREADS
         w->helper_started = 0;
-        pthread_mutex_lock(&w->mu);
+        lock(w);
         drain_done(w);
-        pthread_mutex_unlock(&w->mu);
+        unlock(w);
     }
+    lock1(w);
     if (w->worker1) {
         ucp_worker_destroy(w->worker1);
         w->worker1 = NULL;
     }
+    pthread_mutex_unlock(&w->mu1);
+    lock(w);
     if (w->worker) {
         ucp_worker_destroy(w->worker);
         w->worker = NULL;
@@ -600,22 +670,38 @@ static void worker_free_ucx(Worker *w)
         ucp_cleanup(w->ctx);
         w->ctx = NULL;
     }
+    notif_t *n = w->head;
+    w->head = w->tail = NULL;
+    w->queued = w->queued_bytes = 0;
+    unlock(w);
+    while (n) {
+        notif_t *next = n->next;
+        free(n);
+        n = next;
+    }
+    /* with the GIL: every poke() from Python runs with it, and the worker's own threads are gone */
     if (w->epfd >= 0)
         close(w->epfd);
     if (w->wakefd >= 0)
         close(w->wakefd);
     w->epfd = w->wakefd = -1;
-    while (w->head) {
-        notif_t *n = w->head;
-        w->head = n->next;
-        free(n);
-    }
-    w->tail = NULL;
-    w->queued = w->queued_bytes = 0;
-    w->closed = 1;
 }
 
-static int Worker_init(Worker *w, PyObject *args, PyObject *kw)
+/* Every fd -1 and the locks ready before __init__ (which may fail, or never run). */
+static PyObject *Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    Worker *w = (Worker *)type->tp_alloc(type, 0);
+    if (w == NULL)
+        return NULL;
+    w->efd = w->wakefd = w->epfd = -1;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_mutex_init(&w->mu1, NULL);
+    pthread_mutex_init(&w->qmu, NULL);
+    pthread_cond_init(&w->qcv, NULL);
+    return (PyObject *)w;
+}
+
+static int worker_init(Worker *w, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"name", "config", "max_notif", "max_queue", "max_queue_bytes", "split_bytes", NULL};
     const char *name;
@@ -634,11 +720,10 @@ static int Worker_init(Worker *w, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_ValueError, "bad worker name or limits");
         return -1;
     }
-    w->epfd = w->wakefd = w->efd = -1;
-    pthread_mutex_init(&w->mu, NULL);
-    pthread_mutex_init(&w->mu1, NULL);
-    pthread_mutex_init(&w->qmu, NULL);
-    pthread_cond_init(&w->qcv, NULL);
+    if (w->name != NULL) { /* an earlier __init__ failed */
+        PyErr_SetString(PyExc_RuntimeError, "Worker initialised twice");
+        return -1;
+    }
     w->name = PyMem_Malloc(name_len);
     if (w->name == NULL) {
         PyErr_NoMemory();
@@ -740,36 +825,51 @@ static int Worker_init(Worker *w, PyObject *args, PyObject *kw)
     return 0;
 }
 
+static int Worker_init(Worker *w, PyObject *args, PyObject *kw)
+{
+    int r = worker_init(w, args, kw);
+    if (r < 0 && (w->ctx != NULL || w->thread_started)) { /* half made: closed now, not used half made */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        worker_free_ucx(w);
+        PyErr_Restore(et, ev, tb);
+    }
+    return r;
+}
+
 static void Worker_dealloc(Worker *w)
 {
-    if (!w->closed)
-        worker_free_ucx(w);
+    worker_free_ucx(w);
     PyMem_Free(w->name);
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
 
 static PyObject *Worker_close(Worker *w, PyObject *noargs)
 {
-    if (!w->closed)
-        worker_free_ucx(w);
+    worker_free_ucx(w);
     Py_RETURN_NONE;
 }
 
 static PyObject *Worker_address(Worker *w, PyObject *noargs)
 {
-    if (check_open(w))
+    if (check_open(w) || lock_open(w))
         return NULL;
     ucp_address_t *a;
     size_t n;
-    lock(w);
+    char *copy = NULL;
     ucs_status_t st = ucp_worker_get_address(w->worker, &a, &n);
+    if (st == UCS_OK) {
+        if ((copy = malloc(n ? n : 1)) != NULL)
+            memcpy(copy, a, n);
+        ucp_worker_release_address(w->worker, a);
+    }
     unlock(w);
     if (st != UCS_OK)
         return raise_status(st, "getting the worker address");
-    PyObject *r = PyBytes_FromStringAndSize((const char *)a, n);
-    lock(w);
-    ucp_worker_release_address(w->worker, a);
-    unlock(w);
+    if (copy == NULL)
+        return PyErr_NoMemory();
+    PyObject *r = PyBytes_FromStringAndSize(copy, n);
+    free(copy);
     return r;
 }
 
@@ -790,30 +890,40 @@ static PyObject *Worker_mem_map(Worker *w, PyObject *args)
     ucp_mem_h memh;
     void *rkey;
     size_t rkey_len;
-    lock(w);
-    ucs_status_t st = ucp_mem_map(w->ctx, &mp, &memh);
-    if (st == UCS_OK) {
-        st = ucp_rkey_pack(w->ctx, memh, &rkey, &rkey_len);
-        if (st != UCS_OK)
-            ucp_mem_unmap(w->ctx, memh);
-    }
-    unlock(w);
-    if (st != UCS_OK)
-        return raise_status(st, "registering memory with UCX");
-    PyObject *packed = PyBytes_FromStringAndSize(rkey, rkey_len);
-    ucp_rkey_buffer_release(rkey);
     MemHandle *m = PyObject_New(MemHandle, &MemHandleType);
-    if (m == NULL || packed == NULL) {
-        Py_XDECREF(packed);
-        lock(w);
-        ucp_mem_unmap(w->ctx, memh);
-        unlock(w);
-        Py_XDECREF(m);
+    if (m == NULL)
         return NULL;
-    }
     Py_INCREF(w);
     m->w = w;
-    m->memh = memh;
+    m->memh = NULL;
+    if (lock_open(w)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    ucs_status_t st = ucp_mem_map(w->ctx, &mp, &memh);
+    char *copy = NULL;
+    if (st == UCS_OK) {
+        st = ucp_rkey_pack(w->ctx, memh, &rkey, &rkey_len);
+        if (st != UCS_OK) {
+            ucp_mem_unmap(w->ctx, memh);
+        } else {
+            m->memh = memh; /* unmapped by its dealloc from here on */
+            if ((copy = malloc(rkey_len ? rkey_len : 1)) != NULL)
+                memcpy(copy, rkey, rkey_len);
+            ucp_rkey_buffer_release(rkey);
+        }
+    }
+    unlock(w);
+    if (st != UCS_OK) {
+        Py_DECREF(m);
+        return raise_status(st, "registering memory with UCX");
+    }
+    PyObject *packed = copy ? PyBytes_FromStringAndSize(copy, rkey_len) : PyErr_NoMemory();
+    free(copy);
+    if (packed == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return Py_BuildValue("NN", (PyObject *)m, packed);
 }
 
@@ -847,6 +957,7 @@ static PyObject *Worker_connect(Worker *w, PyObject *args)
         return PyErr_NoMemory();
     }
     s->pidfd = -1;
+    s->refs = 1;
     ucp_ep_params_t ep;
     memset(&ep, 0, sizeof(ep));
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -856,7 +967,11 @@ static PyObject *Worker_connect(Worker *w, PyObject *args)
     ep.err_handler.cb = ep_error_cb;
     ep.err_handler.arg = s;
     ucp_ep_h h;
-    lock(w);
+    if (lock_open(w)) {
+        free(copy);
+        free(s);
+        return NULL;
+    }
     ucs_status_t st = ucp_ep_create(w->worker, &ep, &h);
     unlock(w);
     if (st != UCS_OK) {
@@ -882,9 +997,8 @@ static PyObject *Worker_connect(Worker *w, PyObject *args)
 
 static PyObject *Worker_take_notifs(Worker *w, PyObject *noargs)
 {
-    if (check_open(w))
+    if (check_open(w) || lock_open(w))
         return NULL;
-    lock(w);
     notif_t *n = w->head;
     w->head = w->tail = NULL;
     w->queued = w->queued_bytes = 0;
@@ -909,9 +1023,8 @@ static PyObject *Worker_dropped(Worker *w, PyObject *noargs) { return PyLong_Fro
 
 static PyObject *Worker_progress(Worker *w, PyObject *noargs)
 {
-    if (check_open(w))
+    if (check_open(w) || lock_open(w))
         return NULL;
-    lock(w);
     while (ucp_worker_progress(w->worker))
         ;
     unlock(w);
@@ -947,84 +1060,93 @@ static int get_index(PyObject *o, index_t *ix, Py_ssize_t rows, const char *what
     return 0;
 }
 
-static inline int64_t index_at(const index_t *ix, Py_ssize_t i)
-{
-    if (!ix->have)
-        return i;
-    return ix->wide ? ((const int64_t *)ix->b.buf)[i] : ((const int32_t *)ix->b.buf)[i];
-}
-
 static void release_index(index_t *ix)
 {
     if (ix->have)
         PyBuffer_Release(&ix->b);
 }
 
-/* Check the pairs (indices in range, equal lengths) before anything moves.
-   Returns the number of runs after merging pairs that continue each other on
-   both sides under one key, or -1 with an exception set. */
-static Py_ssize_t check_pairs(const uint64_t *lt, Py_ssize_t nl, const index_t *li, const uint64_t *rt, Py_ssize_t nr,
-                              const index_t *ri, Py_ssize_t nk)
+/* Check the pairs (indices in range, equal lengths, rows that do not wrap)
+   and gather them into runs: pairs that continue each other on both sides
+   under one key merge.  Every index and table entry is read once, so what is
+   checked is what is posted, whatever other threads do to the caller's arrays
+   meanwhile (post reads only the runs afterwards).  Returns the number of
+   runs (*total: the bytes), or -1 with an exception set. */
+static Py_ssize_t gather_runs(const uint64_t *lt, Py_ssize_t nl, const index_t *li, const uint64_t *rt,
+                              Py_ssize_t nr, const index_t *ri, Py_ssize_t nk, run_t *out, uint64_t *total)
 {
     if (li->n != ri->n) {
         PyErr_Format(PyExc_ValueError, "local and remote index lists differ in length (%zd vs %zd)", li->n, ri->n);
         return -1;
     }
+    Py_ssize_t m = 0;
+    uint64_t sum = 0;
     for (Py_ssize_t i = 0; i < li->n; i++) {
-        int64_t a = index_at(li, i), b = index_at(ri, i);
+        int64_t a = !li->have ? i : li->wide ? LOAD(&((const int64_t *)li->b.buf)[i])
+                                             : LOAD(&((const int32_t *)li->b.buf)[i]);
+        int64_t b = !ri->have ? i : ri->wide ? LOAD(&((const int64_t *)ri->b.buf)[i])
+                                             : LOAD(&((const int32_t *)ri->b.buf)[i]);
         if (a < 0 || a >= nl || b < 0 || b >= nr) {
             PyErr_Format(PyExc_ValueError, "pair %zd: index out of range (local %lld of %zd, remote %lld of %zd)", i,
                          (long long)a, nl, (long long)b, nr);
             return -1;
         }
-        if (lt[2 * a + 1] != rt[3 * b + 1]) {
+        uint64_t la = LOAD(&lt[2 * a]), len = LOAD(&lt[2 * a + 1]);
+        uint64_t ra = LOAD(&rt[3 * b]), rlen = LOAD(&rt[3 * b + 1]), k = LOAD(&rt[3 * b + 2]);
+        if (len != rlen) {
             PyErr_Format(PyExc_ValueError, "pair %zd differs in length: local %llu bytes vs remote %llu bytes", i,
-                         (unsigned long long)lt[2 * a + 1], (unsigned long long)rt[3 * b + 1]);
+                         (unsigned long long)len, (unsigned long long)rlen);
             return -1;
         }
-        if (rt[3 * b + 2] >= (uint64_t)nk) {
+        if (k >= (uint64_t)nk) {
             PyErr_SetString(PyExc_ValueError, "remote key index out of range");
             return -1;
         }
+        if (la + len < la || ra + len < ra || __builtin_add_overflow(sum, len, &sum)) {
+            PyErr_Format(PyExc_ValueError, "pair %zd: address range wraps or the lengths overflow", i);
+            return -1;
+        }
+        run_t *r = m > 0 ? &out[m - 1] : NULL; /* rows do not wrap: neither does a run's end */
+        if (r != NULL && r->k == k && r->laddr + r->len == la && r->raddr + r->len == ra)
+            r->len += len;
+        else
+            out[m++] = (run_t){la, ra, len, k};
     }
-    return li->n;
+    *total = sum;
+    return m;
 }
 
-/* The run of pairs from *i on: contiguous on both sides under one key.  Advances *i past it. */
-static inline run_t next_run(const uint64_t *lt, const index_t *li, const uint64_t *rt, const index_t *ri,
-                             Py_ssize_t n, Py_ssize_t *i, uint64_t *k)
-{
-    int64_t a = index_at(li, *i), b = index_at(ri, *i);
-    run_t r = {lt[2 * a], rt[3 * b], lt[2 * a + 1]};
-    *k = rt[3 * b + 2];
-    for ((*i)++; *i < n; (*i)++) {
-        int64_t a2 = index_at(li, *i), b2 = index_at(ri, *i);
-        if (lt[2 * a2] != r.laddr + r.len || rt[3 * b2] != r.raddr + r.len || rt[3 * b2 + 2] != *k)
-            break;
-        r.len += lt[2 * a2 + 1];
-    }
-    return r;
-}
+#define MAX_CHUNKS (1u << 24) /* more would be no real request: not split */
 
 /* A split request as chunks (runs cut to at most `chunk` bytes), both lanes'
    keys in each.  NULL (no split) if some run's key has no twin on ep1, or no memory. */
-static job_t *build_job(const uint64_t *lt, const index_t *li, const uint64_t *rt, const index_t *ri,
-                        Py_ssize_t n, ucp_rkey_h *keys, ucp_rkey_h *keys1, uint64_t total, uint64_t chunk)
+static job_t *build_job(const run_t *runs, Py_ssize_t nruns, ucp_rkey_h *keys, ucp_rkey_h *keys1, uint64_t total,
+                        uint64_t chunk)
 {
-    size_t cap = (size_t)n + total / chunk + 1, m = 0;
+    if (total / chunk > MAX_CHUNKS || (uint64_t)nruns > MAX_CHUNKS)
+        return NULL;
+    /* sum of ceil(len / chunk) <= total / chunk + nruns */
+    size_t cap = (size_t)nruns + total / chunk + 1, m = 0;
     job_t *j = malloc(sizeof(*j) + sizeof(chunk_t) * cap);
     if (j == NULL)
         return NULL;
-    uint64_t k;
-    for (Py_ssize_t i = 0; i < n;) {
-        run_t r = next_run(lt, li, rt, ri, n, &i, &k);
-        if (keys[k] == NULL || keys1[k] == NULL) {
+    for (Py_ssize_t i = 0; i < nruns; i++) {
+        const run_t *r = &runs[i];
+        if (r->len == 0)
+            continue;
+        if (keys[r->k] == NULL || keys1[r->k] == NULL) {
             free(j);
             return NULL;
         }
-        for (uint64_t off = 0; off < r.len; off += chunk) {
-            uint64_t len = r.len - off < chunk ? r.len - off : chunk;
-            j->chunks[m++] = (chunk_t){r.laddr + off, r.raddr + off, len, keys[k], keys1[k]};
+        for (uint64_t off = 0, left = r->len; left > 0;) {
+            uint64_t len = left < chunk ? left : chunk;
+            if (m >= cap) { /* cannot happen: the bound above */
+                free(j);
+                return NULL;
+            }
+            j->chunks[m++] = (chunk_t){r->laddr + off, r->raddr + off, len, keys[r->k], keys1[r->k]};
+            off += len;
+            left -= len;
         }
     }
     memset(j, 0, sizeof(*j));
@@ -1036,11 +1158,15 @@ static job_t *build_job(const uint64_t *lt, const index_t *li, const uint64_t *r
     return j;
 }
 
+#define SMALL_POST 64 /* pairs: above, post lets other Python threads run meanwhile */
+
 /* post(op, ep, local_table, local_idx, remote_table, remote_idx, rkeys, notif) -> Xfer
 
    local_table: (n, 2) uint64 rows (address, length); remote_table: (m, 3)
    uint64 rows (address, length, key index into rkeys, RemoteKeys of ep).
-   The indices pick the pairs (None: every row).  op 0 = GET (READ), 1 = PUT. */
+   The indices pick the pairs (None: every row).  op 0 = GET (READ), 1 = PUT.
+   Raises Error (status NOT_CONNECTED) if the endpoint or a key was closed,
+   also by another thread while this call ran. */
 static PyObject *Worker_post(Worker *w, PyObject *args)
 {
     int op;
@@ -1050,14 +1176,41 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
     if (!PyArg_ParseTuple(args, "iO!y*Oy*OOO", &op, &EndpointType, &e, &lb, &lio, &rb, &rio, &rkeys, &notif))
         return NULL;
     PyObject *result = NULL, *seq = NULL;
+    RemoteKey **kobj = NULL; /* our references: the objects live while the GIL is released */
     ucp_rkey_h *keys = NULL, *keys1 = NULL;
+    Py_ssize_t nk = 0;
     xfer_t *x = NULL;
+    Xfer *xo = NULL;
     index_t li = {0}, ri = {0};
+    run_t small[SMALL_POST], *runs = small;
     Py_ssize_t nl = lb.len / 16, nr = rb.len / 24;
+    /* first what may run Python code (a generator of keys may close the endpoint): checks come after */
+    seq = PySequence_Fast(rkeys, "rkeys must be a sequence of RemoteKey");
+    if (seq == NULL)
+        goto out;
+    nk = PySequence_Fast_GET_SIZE(seq);
+    kobj = PyMem_Malloc((sizeof(*kobj) + 2 * sizeof(*keys)) * (nk ? nk : 1));
+    if (kobj == NULL) {
+        nk = 0;
+        PyErr_NoMemory();
+        goto out;
+    }
+    keys = (ucp_rkey_h *)(kobj + (nk ? nk : 1));
+    keys1 = keys + (nk ? nk : 1);
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+        kobj[i] = o == Py_None ? NULL : (RemoteKey *)o;
+        Py_XINCREF(kobj[i]);
+    }
+    Py_CLEAR(seq);
     if (check_open(w))
         goto out;
-    if (e->w != w || e->ep == NULL) {
-        PyErr_SetString(PyExc_ValueError, "endpoint is closed or belongs to another worker");
+    if (e->w != w) {
+        PyErr_SetString(PyExc_ValueError, "endpoint belongs to another worker");
+        goto out;
+    }
+    if (e->ep == NULL) {
+        raise_gone("post: the endpoint is closed");
         goto out;
     }
     if ((op != 0 && op != 1) || lb.len % 16 || rb.len % 24) {
@@ -1068,33 +1221,27 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "notif must be bytes within the notification limit");
         goto out;
     }
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        RemoteKey *k = kobj[i];
+        if (k != NULL && (!PyObject_TypeCheck(k, &RemoteKeyType) || k->ep != e)) {
+            PyErr_SetString(PyExc_ValueError, "rkeys must be RemoteKeys of this endpoint");
+            goto out;
+        }
+        if (k != NULL && k->rkey == NULL) {
+            raise_gone("post: a remote key was destroyed");
+            goto out;
+        }
+    }
     if (get_index(lio, &li, nl, "local_idx") < 0 || get_index(rio, &ri, nr, "remote_idx") < 0)
         goto out;
-    seq = PySequence_Fast(rkeys, "rkeys must be a sequence of RemoteKey");
-    if (seq == NULL)
-        goto out;
-    Py_ssize_t nk = PySequence_Fast_GET_SIZE(seq);
-    keys = PyMem_Malloc(sizeof(*keys) * (nk ? nk : 1));
-    keys1 = PyMem_Malloc(sizeof(*keys1) * (nk ? nk : 1));
-    if (keys == NULL || keys1 == NULL) {
+    Py_ssize_t n = li.n;
+    if (n > SMALL_POST && (runs = PyMem_Malloc(sizeof(*runs) * n)) == NULL) {
         PyErr_NoMemory();
         goto out;
     }
-    for (Py_ssize_t i = 0; i < nk; i++) {
-        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
-        if (o == Py_None) {
-            keys[i] = keys1[i] = NULL;
-            continue;
-        }
-        if (!PyObject_TypeCheck(o, &RemoteKeyType) || ((RemoteKey *)o)->ep != e || ((RemoteKey *)o)->rkey == NULL) {
-            PyErr_SetString(PyExc_ValueError, "rkeys must be live RemoteKeys of this endpoint");
-            goto out;
-        }
-        keys[i] = ((RemoteKey *)o)->rkey;
-        keys1[i] = ((RemoteKey *)o)->rkey1;
-    }
-    const uint64_t *lt = lb.buf, *rt = rb.buf;
-    if (check_pairs(lt, nl, &li, rt, nr, &ri, nk) < 0)
+    uint64_t total;
+    Py_ssize_t nruns = gather_runs(lb.buf, nl, &li, rb.buf, nr, &ri, nk, runs, &total);
+    if (nruns < 0)
         goto out;
     x = calloc(1, sizeof(*x));
     if (x == NULL) {
@@ -1105,7 +1252,6 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
     x->parts = 1;
     x->status = UCS_INPROGRESS;
     x->w = w;
-    x->ep = e->ep;
     if (notif != Py_None) {
         x->name_len = w->name_len;
         x->notif_len = w->name_len + PyBytes_GET_SIZE(notif);
@@ -1117,34 +1263,57 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
         memcpy(x->notif, w->name, w->name_len);
         memcpy(x->notif + w->name_len, PyBytes_AS_STRING(notif), PyBytes_GET_SIZE(notif));
     }
-    Xfer *xo = PyObject_New(Xfer, &XferType);
+    xo = PyObject_New(Xfer, &XferType);
     if (xo == NULL)
         goto out;
     Py_INCREF(w);
     xo->w = w;
-    xo->x = x;
-    Py_ssize_t n = li.n, i = 0;
-    job_t *job = NULL;
-    if (w->split_bytes && e->ep1 != NULL) {
-        uint64_t total = 0;
-        for (Py_ssize_t t = 0; t < n; t++)
-            total += lt[2 * index_at(&li, t) + 1];
-        if (total >= w->split_bytes && (job = build_job(lt, &li, rt, &ri, n, keys, keys1, total, w->chunk)) != NULL) {
-            job->x = x; /* the helper starts from the back now; this thread from the front */
-            job->ep = e->ep1;
-            job->op = op;
-            x->parts = 2;
-            x->helper_out = 1;
-            x->refs++;
-            enqueue(w, job);
-        }
-    }
+    xo->x = NULL;
     /* large requests let other Python threads run meanwhile; small ones keep the GIL (cheaper) */
-    PyThreadState *ts = n > 64 ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = n > SMALL_POST ? PyEval_SaveThread() : NULL;
     if (ts != NULL)
         pthread_mutex_lock(&w->mu);
     else
         lock(w);
+    /* under mu now: the endpoint and keys stay as they are until unlock; were they closed meanwhile? */
+    const char *gone = NULL;
+    if (w->closed || w->worker == NULL)
+        gone = "post: the worker is closed";
+    else if (e->ep == NULL)
+        gone = "post: the endpoint is closed";
+    for (Py_ssize_t i = 0; gone == NULL && i < nk; i++) {
+        keys[i] = kobj[i] ? kobj[i]->rkey : NULL;
+        keys1[i] = kobj[i] ? kobj[i]->rkey1 : NULL;
+        if (kobj[i] && keys[i] == NULL)
+            gone = "post: a remote key was destroyed";
+    }
+    if (gone != NULL) {
+        pthread_mutex_unlock(&w->mu);
+        if (ts != NULL)
+            PyEval_RestoreThread(ts);
+        if (w->closed)
+            PyErr_SetString(PyExc_RuntimeError, "the UCX worker is closed");
+        else
+            raise_gone(gone);
+        goto out;
+    }
+    ucp_ep_h ep = e->ep;
+    x->ep = ep;
+    x->st = e->st;
+    e->st->refs++;
+    xo->x = x;
+    job_t *job = NULL;
+    ucp_ep_h ep1 = e->ep1;
+    if (ep1 != NULL && w->split_bytes && total >= w->split_bytes &&
+        (job = build_job(runs, nruns, keys, keys1, total, w->chunk)) != NULL) {
+        job->x = x; /* the helper starts from the back now; this thread from the front */
+        job->ep = ep1;
+        job->op = op;
+        x->parts = 2;
+        x->helper_out = 1;
+        x->refs++;
+        enqueue(w, job); /* under mu: a key's or ep1's teardown (after mu, under mu1) cancels it */
+    }
     ucs_status_t st = e->st->status;
     w->inflight++;
     ucp_request_param_t p;
@@ -1153,7 +1322,7 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
     if (job != NULL) {
         chunk_t *c;
         while (st == UCS_OK && (c = claim(job, 0)) != NULL) {
-            st = post_one(e->ep, op, c->laddr, c->raddr, c->len, c->key0, &p);
+            st = post_one(ep, op, c->laddr, c->raddr, c->len, c->key0, &p);
             while (ucp_worker_progress(w->worker)) /* UCX may queue it: copy it before claiming more */
                 ;
         }
@@ -1167,16 +1336,15 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
         pthread_mutex_unlock(&job->mu);
         job_unref(job);
     }
-    while (i < n && job == NULL && st == UCS_OK) {
-        uint64_t k;
-        run_t run = next_run(lt, &li, rt, &ri, n, &i, &k);
-        if (run.len == 0)
+    for (Py_ssize_t i = 0; i < nruns && job == NULL && st == UCS_OK; i++) {
+        const run_t *r = &runs[i];
+        if (r->len == 0)
             continue;
-        if (keys[k] == NULL) {
+        if (keys[r->k] == NULL) {
             st = UCS_ERR_INVALID_PARAM;
             break;
         }
-        st = post_one(e->ep, op, run.laddr, run.raddr, run.len, keys[k], &p);
+        st = post_one(ep, op, r->laddr, r->raddr, r->len, keys[r->k], &p);
     }
     if (took_helpers_part) {
         x->helper_out = 0;
@@ -1187,7 +1355,7 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
         p.cb.send = flush_cb;
         p.user_data = x;
         x->refs++;
-        ucs_status_ptr_t r = ucp_ep_flush_nbx(e->ep, &p);
+        ucs_status_ptr_t r = ucp_ep_flush_nbx(ep, &p);
         if (r == NULL || UCS_PTR_IS_ERR(r)) {
             x->refs--;
             part_done(x, UCS_PTR_STATUS(r));
@@ -1208,15 +1376,20 @@ static PyObject *Worker_post(Worker *w, PyObject *args)
         poke(w); /* the progress thread takes over */
     x = NULL;
     result = (PyObject *)xo;
+    xo = NULL;
 out:
+    Py_XDECREF(xo); /* not posted: holds no transfer */
     if (x != NULL) {
         free(x->notif);
         free(x);
     }
+    if (runs != small)
+        PyMem_Free(runs);
     release_index(&li);
     release_index(&ri);
-    PyMem_Free(keys);
-    PyMem_Free(keys1);
+    for (Py_ssize_t i = 0; i < nk; i++)
+        Py_XDECREF(kobj[i]);
+    PyMem_Free(kobj);
     Py_XDECREF(seq);
     PyBuffer_Release(&lb);
     PyBuffer_Release(&rb);
@@ -1239,12 +1412,14 @@ static PyMethodDef Worker_methods[] = {
 
 static PyObject *MemHandle_unmap(MemHandle *m, PyObject *noargs)
 {
-    if (m->memh != NULL && !m->w->closed) {
+    if (m->memh != NULL) {
         lock(m->w);
-        ucp_mem_unmap(m->w->ctx, m->memh);
+        ucp_mem_h h = m->memh; /* taken under mu: unmapped once */
+        m->memh = NULL;
+        if (h != NULL && !m->w->closed) /* else the context took it with it */
+            ucp_mem_unmap(m->w->ctx, h);
         unlock(m->w);
     }
-    m->memh = NULL;
     Py_RETURN_NONE;
 }
 
@@ -1265,59 +1440,73 @@ static void ep_close_cb(void *req, ucs_status_t st, void *user)
 {
     (void)st;
     ucp_request_free(req);
-    free(user);
+    st_unref(user);
 }
 
+/* Under mu1: close ep1 (its queued jobs post nothing), finishing the request here. */
+static void close_ep1(Worker *w, ucp_ep_h ep1, int force)
+{
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    cancel_jobs(w, ep1);
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep1, &p);
+    if (UCS_PTR_IS_PTR(r)) { /* finish it here: nobody else progresses worker1 unasked */
+        for (int i = 0; i < 1000 && ucp_request_check_status(r) == UCS_INPROGRESS; i++)
+            ucp_worker_progress(w->worker1);
+        ucp_request_free(r); /* UCX completes and releases it later if still out */
+    }
+}
+
+/* With the GIL; idempotent, also when two threads close at once: the handles
+   are taken out of the object under mu1 and mu, and closed by whoever took them. */
 static void endpoint_close(Endpoint *e)
 {
     if (e->ep == NULL)
         return;
     Worker *w = e->w;
-    if (e->ep1 != NULL && !w->closed) {
-        ucp_request_param_t p;
-        memset(&p, 0, sizeof(p));
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = e->peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&w->mu1); /* waits for a job of this endpoint that is running */
-        Py_END_ALLOW_THREADS
-        cancel_jobs(w, e->ep1);
-        ucs_status_ptr_t r = ucp_ep_close_nbx(e->ep1, &p);
-        if (UCS_PTR_IS_PTR(r)) { /* finish it here: nobody else progresses worker1 unasked */
-            for (int i = 0; i < 1000 && ucp_request_check_status(r) == UCS_INPROGRESS; i++)
-                ucp_worker_progress(w->worker1);
-            ucp_request_free(r); /* UCX completes and releases it later if still out */
+    int lane1 = w->split_bytes != 0;
+    if (lane1)
+        lock1(w); /* waits for a job of this endpoint that is running */
+    lock(w);
+    ucp_ep_h ep = e->ep, ep1 = e->ep1;
+    ep_state_t *s = e->st;
+    e->ep = e->ep1 = NULL;
+    e->st = NULL;
+    if (ep == NULL || w->closed) { /* closed by another thread, or the worker took the endpoint with it */
+        if (ep != NULL && s->pidfd >= 0) { /* no progress thread or epoll set any more */
+            close(s->pidfd);
+            s->pidfd = -1;
         }
+        unlock(w);
+        if (lane1)
+            pthread_mutex_unlock(&w->mu1);
+        return; /* (a closed worker's endpoint states leak: tiny) */
+    }
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    /* without peer error handling UCX may not force-close; flush-close then */
+    p.flags = e->peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    p.cb.send = ep_close_cb;
+    p.user_data = s; /* the endpoint's reference, dropped once closed */
+    s->closing = 1; /* transfers still out send no notification on it */
+    if (s->pidfd >= 0) {
+        epoll_ctl(w->epfd, EPOLL_CTL_DEL, s->pidfd, NULL);
+        close(s->pidfd);
+        s->pidfd = -1;
+    }
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    if (r == NULL || UCS_PTR_IS_ERR(r))
+        st_unref(s);
+    unlock(w);
+    if (lane1) {
+        if (ep1 != NULL && w->worker1 != NULL)
+            close_ep1(w, ep1, e->peer_mode);
         pthread_mutex_unlock(&w->mu1);
     }
-    e->ep1 = NULL;
-    free(e->addr);
-    e->addr = NULL;
-    if (!w->closed) {
-        ucp_request_param_t p;
-        memset(&p, 0, sizeof(p));
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-        /* without peer error handling UCX may not force-close; flush-close then */
-        p.flags = e->peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-        p.cb.send = ep_close_cb;
-        p.user_data = e->st;
-        int watched = e->st->pidfd >= 0;
-        lock(w);
-        e->st->closing = 1;
-        if (watched) {
-            epoll_ctl(w->epfd, EPOLL_CTL_DEL, e->st->pidfd, NULL);
-            close(e->st->pidfd);
-            e->st->pidfd = -1;
-            p.user_data = NULL; /* the progress thread may hold an event naming this state: never freed */
-        }
-        ucs_status_ptr_t r = ucp_ep_close_nbx(e->ep, &p);
-        unlock(w);
-        if ((r == NULL || UCS_PTR_IS_ERR(r)) && !watched)
-            free(e->st);
-        poke(w);
-    } /* else the worker took the endpoint with it; its state leaks (tiny) */
-    e->ep = NULL;
-    e->st = NULL;
+    poke(w);
 }
 
 static PyObject *Endpoint_close(Endpoint *e, PyObject *noargs)
@@ -1329,6 +1518,7 @@ static PyObject *Endpoint_close(Endpoint *e, PyObject *noargs)
 static void Endpoint_dealloc(Endpoint *e)
 {
     endpoint_close(e);
+    free(e->addr);
     Py_DECREF(e->w);
     PyObject_Free(e);
 }
@@ -1340,15 +1530,15 @@ static PyObject *Endpoint_lanes(Endpoint *e, PyObject *noargs)
 
 static PyObject *Endpoint_error(Endpoint *e, PyObject *noargs)
 {
-    if (e->st == NULL)
-        return PyLong_FromLong(UCS_ERR_CANCELED);
-    return PyLong_FromLong(e->st->status);
+    /* with the GIL: e->st is cleared (with the GIL) before it can be freed */
+    ep_state_t *s = e->st;
+    return PyLong_FromLong(s == NULL ? UCS_ERR_CANCELED : s->status);
 }
 
 /* Whether UCX reaches this peer with cma: then RMA is a copy done inside the
    posting call, which is what the second lane parallelises; over messages
    (tcp, shm without cma) a split would only wait twice. */
-static int uses_cma(Worker *w, ucp_ep_h ep)
+static int uses_cma(ucp_ep_h ep) /* under mu */
 {
     ucp_transport_entry_t ent[16];
     ucp_ep_attr_t a;
@@ -1357,9 +1547,7 @@ static int uses_cma(Worker *w, ucp_ep_h ep)
     a.transports.entries = ent;
     a.transports.num_entries = 16;
     a.transports.entry_size = sizeof(ent[0]);
-    lock(w);
     ucs_status_t st = ucp_ep_query(ep, &a);
-    unlock(w);
     if (st != UCS_OK)
         return 0;
     for (unsigned i = 0; i < a.transports.num_entries && i < 16; i++)
@@ -1373,52 +1561,79 @@ static PyObject *Endpoint_watch(Endpoint *e, PyObject *args)
     int fd;
     if (!PyArg_ParseTuple(args, "i", &fd) || check_open(e->w))
         return NULL;
+    Worker *w = e->w;
+    if (lock_open(w))
+        return NULL;
     if (e->ep == NULL || e->st->pidfd >= 0) {
+        unlock(w);
         PyErr_SetString(PyExc_ValueError, "endpoint closed or already watched");
         return NULL;
     }
-    Worker *w = e->w;
     struct epoll_event ev = {.events = EPOLLIN};
     ev.data.ptr = e->st;
-    lock(w);
-    int rc = epoll_ctl(w->epfd, EPOLL_CTL_ADD, fd, &ev);
-    if (rc == 0)
+    int rc = epoll_ctl(w->epfd, EPOLL_CTL_ADD, fd, &ev), err = errno;
+    int cma = 0;
+    if (rc == 0) {
         e->st->pidfd = fd;
+        e->st->watched = 1; /* an event may name it from now on */
+        cma = w->worker1 != NULL && e->ep1 == NULL && uses_cma(e->ep);
+    }
     unlock(w);
-    if (rc != 0)
+    if (rc != 0) {
+        errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
+    }
     poke(w);
-    if (w->worker1 != NULL && e->ep1 == NULL && uses_cma(w, e->ep)) { /* same host, cma: a second lane */
+    if (cma) { /* same host, cma: a second lane */
         ucp_ep_params_t ep;
         memset(&ep, 0, sizeof(ep));
         ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                         UCP_EP_PARAM_FIELD_ERR_HANDLER;
-        ep.address = (const ucp_address_t *)e->addr;
+        ep.address = (const ucp_address_t *)e->addr; /* lives as long as e */
         ep.err_mode = e->peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
         ep.err_handler.cb = ep_error_cb;
-        ep.err_handler.arg = e->st; /* never freed once watched */
-        ucp_ep_h h;
+        ep.err_handler.arg = e->st; /* watched: never freed */
+        ucp_ep_h h = NULL;
         Py_BEGIN_ALLOW_THREADS
         pthread_mutex_lock(&w->mu1);
-        Py_END_ALLOW_THREADS
-        if (ucp_ep_create(w->worker1, &ep, &h) == UCS_OK)
-            e->ep1 = h; /* else: this peer's requests are not split */
+        if (w->worker1 != NULL && ucp_ep_create(w->worker1, &ep, &h) != UCS_OK)
+            h = NULL; /* this peer's requests are not split */
+        if (h != NULL) {
+            pthread_mutex_lock(&w->mu); /* order: mu1, then mu */
+            if (e->ep != NULL && e->ep1 == NULL) { /* still open, and no other watch won */
+                e->ep1 = h;
+                h = NULL;
+            }
+            pthread_mutex_unlock(&w->mu);
+            if (h != NULL)
+                close_ep1(w, h, 1);
+        }
         pthread_mutex_unlock(&w->mu1);
+        Py_END_ALLOW_THREADS
     }
     Py_RETURN_NONE;
 }
 
-/* A key of ep1: no queued job may use it afterwards. */
-static void destroy_rkey1(Endpoint *e, ucp_rkey_h rk1)
+/* With the GIL: a key (taken out of its RemoteKey) destroyed under its lane's lock, unless its endpoint is gone. */
+static void destroy_keys(Endpoint *e, RemoteKey *k)
 {
-    if (rk1 == NULL || e->ep1 == NULL || e->w->closed)
-        return;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&e->w->mu1);
-    Py_END_ALLOW_THREADS
-    cancel_jobs(e->w, e->ep1);
-    ucp_rkey_destroy(rk1);
-    pthread_mutex_unlock(&e->w->mu1);
+    Worker *w = e->w;
+    int lane1 = w->split_bytes != 0;
+    if (lane1)
+        lock1(w);
+    lock(w);
+    ucp_rkey_h rk = k->rkey, rk1 = k->rkey1;
+    k->rkey = k->rkey1 = NULL; /* a post that takes mu after this sees the key gone */
+    if (rk != NULL && e->ep != NULL && !w->closed)
+        ucp_rkey_destroy(rk);
+    unlock(w);
+    if (lane1) {
+        if (rk1 != NULL && e->ep1 != NULL && w->worker1 != NULL) {
+            cancel_jobs(w, e->ep1); /* no queued job may use it afterwards */
+            ucp_rkey_destroy(rk1);
+        }
+        pthread_mutex_unlock(&w->mu1);
+    }
 }
 
 static PyObject *Endpoint_unpack(Endpoint *e, PyObject *args)
@@ -1427,34 +1642,39 @@ static PyObject *Endpoint_unpack(Endpoint *e, PyObject *args)
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "y#", &buf, &n) || check_open(e->w))
         return NULL;
-    if (e->ep == NULL) {
-        PyErr_SetString(PyExc_ValueError, "endpoint is closed");
-        return NULL;
-    }
+    if (e->ep == NULL)
+        return raise_gone("unpack: the endpoint is closed");
+    Worker *w = e->w;
     void *copy = padded(buf, n);
     if (copy == NULL)
         return NULL;
     ucp_rkey_h rk, rk1 = NULL;
-    lock(e->w);
+    if (lock_open(w)) {
+        free(copy);
+        return NULL;
+    }
+    if (e->ep == NULL) {
+        unlock(w);
+        free(copy);
+        return raise_gone("unpack: the endpoint is closed");
+    }
     ucs_status_t st = ucp_ep_rkey_unpack(e->ep, copy, &rk);
-    unlock(e->w);
-    if (st == UCS_OK && e->ep1 != NULL) {
+    unlock(w);
+    if (st == UCS_OK && w->split_bytes != 0 && e->ep1 != NULL) {
         Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&e->w->mu1);
-        Py_END_ALLOW_THREADS
-        if (ucp_ep_rkey_unpack(e->ep1, copy, &rk1) != UCS_OK)
+        pthread_mutex_lock(&w->mu1);
+        if (e->ep1 == NULL || w->worker1 == NULL || ucp_ep_rkey_unpack(e->ep1, copy, &rk1) != UCS_OK)
             rk1 = NULL; /* requests with this key are not split */
-        pthread_mutex_unlock(&e->w->mu1);
+        pthread_mutex_unlock(&w->mu1);
+        Py_END_ALLOW_THREADS
     }
     free(copy);
     if (st != UCS_OK)
         return raise_status(st, "unpacking a remote key");
     RemoteKey *k = PyObject_New(RemoteKey, &RemoteKeyType);
     if (k == NULL) {
-        lock(e->w);
-        ucp_rkey_destroy(rk);
-        unlock(e->w);
-        destroy_rkey1(e, rk1);
+        RemoteKey tmp = {.rkey = rk, .rkey1 = rk1};
+        destroy_keys(e, &tmp);
         return NULL;
     }
     Py_INCREF(e);
@@ -1478,17 +1698,27 @@ static PyObject *Endpoint_notify(Endpoint *e, PyObject *args)
     if (!PyArg_ParseTuple(args, "y#", &msg, &n) || check_open(e->w))
         return NULL;
     Worker *w = e->w;
-    if (e->ep == NULL || (size_t)n > w->max_notif) {
-        PyErr_SetString(PyExc_ValueError, "endpoint closed or message over the notification limit");
+    if ((size_t)n > w->max_notif) {
+        PyErr_SetString(PyExc_ValueError, "message over the notification limit");
         return NULL;
     }
+    if (e->ep == NULL)
+        return raise_gone("notify: the endpoint is closed");
     char *buf = malloc(w->name_len + n);
     if (buf == NULL)
         return PyErr_NoMemory();
     memcpy(buf, w->name, w->name_len);
     memcpy(buf + w->name_len, msg, n);
     void *req;
-    lock(w);
+    if (lock_open(w)) {
+        free(buf);
+        return NULL;
+    }
+    if (e->ep == NULL) {
+        unlock(w);
+        free(buf);
+        return raise_gone("notify: the endpoint is closed");
+    }
     ucs_status_t st = e->st->status;
     if (st == UCS_OK)
         st = send_notif(w, e->ep, buf, w->name_len, w->name_len + n, notify_cb, buf, &req);
@@ -1513,14 +1743,8 @@ static PyMethodDef Endpoint_methods[] = {
 
 static PyObject *RemoteKey_destroy(RemoteKey *k, PyObject *noargs)
 {
-    destroy_rkey1(k->ep, k->rkey1);
-    k->rkey1 = NULL;
-    if (k->rkey != NULL && k->ep->ep != NULL && !k->ep->w->closed) {
-        lock(k->ep->w);
-        ucp_rkey_destroy(k->rkey);
-        unlock(k->ep->w);
-    }
-    k->rkey = NULL;
+    if (k->rkey != NULL || k->rkey1 != NULL)
+        destroy_keys(k->ep, k);
     Py_RETURN_NONE;
 }
 
@@ -1550,8 +1774,10 @@ static PyObject *Xfer_status(Xfer *o, PyObject *args)
     if (o->x->status == UCS_INPROGRESS && !w->closed) {
         /* the poller completes its own transfer instead of waiting for a wake-up */
         lock(w);
-        drain_done(w);
-        ucp_worker_progress(w->worker);
+        if (!w->closed) {
+            drain_done(w);
+            ucp_worker_progress(w->worker);
+        }
         unlock(w);
     }
     ucs_status_t st = o->x->status;
@@ -1574,7 +1800,8 @@ static PyObject *Xfer_cancel(Xfer *o, PyObject *args)
         return NULL;
     if (o->x != NULL && !o->w->closed) {
         lock(o->w);
-        xfer_end(o->x, st < 0 ? (ucs_status_t)st : UCS_ERR_CANCELED);
+        if (!o->w->closed)
+            xfer_end(o->x, st < 0 ? (ucs_status_t)st : UCS_ERR_CANCELED);
         unlock(o->w);
     }
     Py_RETURN_NONE;
@@ -1583,12 +1810,12 @@ static PyObject *Xfer_cancel(Xfer *o, PyObject *args)
 static void Xfer_dealloc(Xfer *o)
 {
     if (o->x != NULL) {
+        lock(o->w);
         if (!o->w->closed) {
-            lock(o->w);
             xfer_end(o->x, UCS_ERR_CANCELED);
             xfer_decref(o->x);
-            unlock(o->w);
         } /* else UCX may still hold it: leak rather than risk a late callback */
+        unlock(o->w);
         o->x = NULL;
     }
     Py_DECREF(o->w);
@@ -1631,7 +1858,7 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_ucp", "kvt's bin
                                    .tp_methods = T##_methods, .tp_dealloc = (destructor)T##_dealloc, __VA_ARGS__};
 
 TYPE(Worker, "Worker(name, config, max_notif, max_queue, max_queue_bytes): UCP context, worker, progress thread",
-     .tp_init = (initproc)Worker_init, .tp_new = PyType_GenericNew)
+     .tp_init = (initproc)Worker_init, .tp_new = Worker_new)
 TYPE(Endpoint, "A connection to a peer's worker (from Worker.connect).", )
 TYPE(RemoteKey, "A peer's unpacked remote key (from Endpoint.unpack).", )
 TYPE(MemHandle, "Registered memory (from Worker.mem_map).", )
@@ -1650,8 +1877,16 @@ PyMODINIT_FUNC PyInit__ucp(void)
         PyModule_AddObject(m, types[i]->tp_name + strlen("kvt_ucx._ucp."), (PyObject *)types[i]);
     }
     UcpError = PyErr_NewException("kvt_ucx._ucp.Error", NULL, NULL);
+    if (UcpError == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(UcpError);
-    PyModule_AddObject(m, "Error", UcpError);
+    if (PyModule_AddObject(m, "Error", UcpError) < 0) {
+        Py_DECREF(UcpError);
+        Py_DECREF(m);
+        return NULL;
+    }
     PyModule_AddIntConstant(m, "INPROGRESS", UCS_INPROGRESS);
     PyModule_AddIntConstant(m, "ERR_TIMED_OUT", UCS_ERR_TIMED_OUT);
     PyModule_AddIntConstant(m, "ERR_CANCELED", UCS_ERR_CANCELED);

@@ -81,6 +81,7 @@ class _Peer:
     epoch: EpochWatch | None = None  # same host: cma ignores remote keys, so we watch its deregistrations
     pidfd: int = -1                  # same host: readable once it exited (our own dup of the C watch's)
     failed: TransferError | None = None  # it stopped answering: disconnected until its metadata is re-added
+    dropped: bool = False            # its keys and endpoint are closed (once: see _drop)
 
 
 @dataclass(frozen=True)
@@ -319,10 +320,15 @@ class UcxBackend(Backend):
         self._drop(p, cause)
 
     def _drop(self, p: _Peer, cause: TransferError) -> None:
-        """End transfers to ``p`` with ``cause``, then free its keys and endpoint."""
+        """End transfers to ``p`` with ``cause``, then free its keys and endpoint
+        (once: two threads past a deadline both get here)."""
         for x in list(self._xfers.values()):
             if x.peer is p:
                 self._end(x, XferState.err(cause))
+        with self._lock:
+            if p.dropped:
+                return
+            p.dropped = True
         for k in p.keys:
             if k is not None:
                 k.destroy()
@@ -397,9 +403,25 @@ class UcxBackend(Backend):
                 nx = self._worker.post(op is _WRITE, peer.ep, lp.local, li, rp.remote, ri, peer.keys, notif)
             except (ValueError, BufferError, TypeError) as e2:
                 raise InvalidArgument(f"cannot post this {op.value}: {e2}") from None
+            except (self._ucp.Error, RuntimeError) as e2:
+                return self._post_failed(op, peer, rp.peer, e2)
+        except (self._ucp.Error, RuntimeError) as e:
+            return self._post_failed(op, peer, rp.peer, e)
         h = next(self._ids)  # the base class's id space (a C iterator: atomic under the GIL)
         self._xfers[h] = _Xfer(op, peer, nx, time.monotonic() + self.timeout)
         return h  # type: ignore[return-value]  (XferHandle is an int)
+
+    def _post_failed(self, op: Op, peer: _Peer, name: str | None, e: Exception) -> XferHandle:
+        """post() found the peer's endpoint or keys closed (by another thread
+        meanwhile: a deadline, remove_remote, add_remote replacing it, close),
+        or the worker closed."""
+        if self._closed:
+            self._check_open()
+        if peer.failed is not None:  # disconnected meanwhile (a deadline seen by another thread)
+            return self._given_up(op, peer)
+        if isinstance(e, self._ucp.Error) and len(e.args) > 1:
+            raise native.error_of(e.args[1], f"{op.value} with {name!r}") from None
+        raise PeerDisconnected(f"{op.value} with {name!r}: {e}") from None
 
     def _given_up(self, op: Op, peer: _Peer) -> XferHandle:
         """A transfer to a peer we disconnected: ERR from the start."""
