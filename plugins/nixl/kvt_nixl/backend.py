@@ -33,10 +33,11 @@ import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
-from kvt.backend import Backend, PeerTable, RegionTable
+from kvt.backend import Backend, PeerTable, RegionTable, unknown_peer
 from kvt.epoch import Epoch, EpochWatch
-from kvt.errors import (BackendUnavailable, IncompatiblePeer, InvalidArgument, InvalidDescriptor, InvalidHandle,
-                        PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, UnknownPeer, WireError)
+from kvt.errors import (BackendUnavailable, ClosedError, IncompatiblePeer, InvalidArgument, InvalidDescriptor,
+                        InvalidHandle, PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, UnknownPeer,
+                        WireError)
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState, as_index)
 
@@ -68,11 +69,12 @@ class _Prep:
     deregistration stay alive in ``old`` until the prep is released: another
     thread may be posting with them at this very moment."""
 
-    __slots__ = ("peer", "descs", "side", "target", "old", "_all", "epoch")
+    __slots__ = ("peer", "descs", "side", "target", "old", "_all", "epoch", "released")
 
     def __init__(self, peer: str | None, descs: Descs, epoch: EpochWatch | None = None):
         self.peer, self.descs, self.epoch = peer, descs, epoch  # epoch: a same-host peer's (kvt.epoch)
         self.side = self.target = self._all = None
+        self.released = False  # set (under _lock) by release: the slow path must not re-prep it
         self.old: list[Any] = []
 
     def retire(self) -> None:
@@ -132,7 +134,12 @@ class NixlBackend(Backend):
                                        opts.progress_thread, s["env"], opts.progress_delay_us)
         self._lock = threading.RLock()                   # guards everything but the hot path
         # NIXL runs in NIXL_THREAD_SYNC_NONE mode (see native.new_agent): kvt serializes its own
-        # calls into NIXL with this lock, held around each call only (never while taking _lock)
+        # calls into NIXL with this lock, held around each call only (never while taking _lock).
+        # It also guards the lifetime of NIXL's handles: a NIXL handle is freed only under it, after
+        # kvt's reference to it was retired (_Prep.retire) or cleared (_Xfer.handle = None), and the
+        # hot path re-checks, under it, that the handles it read are still current (and the backend
+        # open) before handing them to NIXL; _xfers changes only under it.  close() holds it
+        # throughout its teardown.
         self._nixl = threading.Lock()
         self._regions = RegionTable()                    # what we registered, by handle and by kind
         self._regs: dict[int, Any] = {}                  # handle -> NIXL's reg list (None: an empty one)
@@ -165,9 +172,11 @@ class NixlBackend(Backend):
                 with self._nixl:
                     reg = self._agent.register_memory(descs.array, descs.kind.value)
             except Exception as e:
+                self._check_open()  # closed by another thread meanwhile: say so
                 raise native.translate(e, f"registering {len(descs)} {descs.kind.value} regions",
                                        InvalidArgument) from e
         with self._lock:
+            self._check_open()  # closed meanwhile: the agent and its registrations are gone
             h = self._next_id()
             self._regs[h] = reg
             self._regions.add(h, descs)
@@ -176,12 +185,19 @@ class NixlBackend(Backend):
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
         with self._lock:
-            reg = self._regs.get(handle)
+            try:
+                reg = self._regs.get(handle)
+            except TypeError:  # unhashable: not one of ours
+                reg = None
             if reg is not None:
+                # lists prepped over it hold NIXL pointers into the registration: retire them before
+                # NIXL frees it (a transfer re-checks under _nixl, then re-preps, i.e. re-checks, them)
+                self._retire(lambda p: p.peer is None)
                 try:
                     with self._nixl:
                         self._agent.deregister_memory(reg)
                 except Exception as e:
+                    self._check_open()  # closed by another thread meanwhile: say so
                     raise native.translate(e, f"deregistering handle {handle}", InvalidArgument) from e
             self._regions.remove(handle)  # InvalidHandle if there is no such registration
             del self._regs[handle]
@@ -198,6 +214,7 @@ class NixlBackend(Backend):
             with self._nixl:
                 blob = self._agent.get_agent_metadata()
         except Exception as e:
+            self._check_open()  # closed by another thread meanwhile: say so
             raise native.translate(e, "reading our NIXL metadata", TransferError) from e
         return pack(self.agent_name, blob, self._regions.by_kind(), self._epoch)
 
@@ -208,6 +225,7 @@ class NixlBackend(Backend):
                 with self._nixl:
                     self._own_blob = self._agent.get_agent_metadata()
             except Exception as e:
+                self._check_open()  # closed by another thread meanwhile: say so
                 raise native.translate(e, "reading our NIXL metadata", TransferError) from e
         md, regions = unpack(metadata, self._own_blob)
         if md.name == self.agent_name:
@@ -215,11 +233,14 @@ class NixlBackend(Backend):
         if self._blobs.get(md.name) != md.nixl:  # a blob we loaded before was vetted then
             vet.vet(self._settings, md.nixl, md.name)
         with self._lock:
+            self._check_open()
             if md.name in self._peers and self._blobs.get(md.name) != md.nixl:
                 # a restarted peer (same name, new process): NIXL would keep talking to the old
                 # one, so forget it first; what was in flight to it ends ERR
                 self._drop_peer(md.name, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
                                                           "this transfer was meant for the old one"))
+            if md.name in self._peers:  # NIXL refuses lists prepped before a reload: retire them first
+                self._retire(lambda p: p.peer == md.name)
             try:
                 with self._nixl:
                     name = self._agent.add_remote_agent(md.nixl)
@@ -250,8 +271,15 @@ class NixlBackend(Backend):
     def remove_remote(self, peer: str) -> None:
         self._check_open()
         with self._lock:
-            self._peers[peer]  # known?
+            self._known(peer)
             self._drop_peer(peer, PeerDisconnected(f"peer {peer!r} was removed"))
+
+    def _known(self, peer: Any) -> None:
+        """``UnknownPeer`` unless ``peer`` is loaded (also for an unhashable name)."""
+        try:
+            self._peers[peer]
+        except TypeError:
+            raise unknown_peer(repr(peer), self._peers) from None
 
     def _drop_peer(self, peer: str, cause: TransferError) -> None:
         """Forget ``peer`` here and in NIXL; its transfers in flight end with ``cause``."""
@@ -259,13 +287,16 @@ class NixlBackend(Backend):
             del self._peers[peer]
             self._blobs.pop(peer, None)
             self._watches.pop(peer, None)
-            for x in list(self._xfers.values()):
-                if x.__class__ is _Xfer and x.peer == peer and x.state is _PROC:
+            # first its lists (no transfer posts on them past this), then the transfers posted on them
+            self._retire(lambda p: p.peer == peer)
+            with self._nixl:
+                xfers = [x for x in self._xfers.values() if x.__class__ is _Xfer and x.peer == peer]
+            for x in xfers:
+                if x.state is _PROC:
                     self._poll(x)
                     if x.state is _PROC:
                         x.state = XferState.err(cause)
                         self._free_xfer(x, wait=False)
-            self._retire(lambda p: p.peer == peer)
             with self._nixl:
                 self._agent.remove_remote_agent(peer)  # returns a status; nothing to undo either way
 
@@ -276,8 +307,11 @@ class NixlBackend(Backend):
         if len(descs) > _MAX_ROWS:
             raise InvalidArgument(f"{len(descs)} descriptors in one list; NIXL takes at most {_MAX_ROWS}")
         peer = None if peer == self.agent_name else peer
+        if peer is not None:
+            self._known(peer)
         p = _Prep(peer, descs, self._watches.get(peer) if peer is not None else None)
         with self._lock:
+            self._check_open()  # close() may have run since the caller's check
             self._check_within(p)
             if p.peer is None:
                 p.side = self._native_prep(native.INIT_AGENT, descs)
@@ -303,6 +337,7 @@ class NixlBackend(Backend):
             with self._nixl:
                 return self._agent.prep_xfer_dlist(agent, descs.array, descs.kind.value)
         except Exception as e:
+            self._check_open()  # closed by another thread meanwhile: say so
             raise native.translate(e, f"prepping {len(descs)} descriptors for {agent}", InvalidDescriptor) from e
 
     def _retire(self, match: Callable[[_Prep], bool]) -> None:
@@ -316,6 +351,9 @@ class NixlBackend(Backend):
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
         with self._lock:
+            self._check_open()
+            if lp.released or rp.released:  # released by another thread meanwhile
+                raise InvalidHandle("the prepped list was released while this transfer was being posted")
             if lp.side is None:
                 self._check_within(lp)
                 lp.side = self._native_prep(native.INIT_AGENT, lp.descs)
@@ -324,12 +362,17 @@ class NixlBackend(Backend):
                 rp.target = self._native_prep(rp.peer or self.agent_name, rp.descs)
             return lp.side, rp.target
 
-    def _free_prep(self, p: _Prep) -> None:
+    def _free_prep(self, p: _Prep, locked: bool = False) -> None:
+        """Free ``p``'s NIXL lists (``locked``: the caller holds ``_nixl``)."""
+        p.released = True
         p.retire()
         for h in p.old:
             try:
-                with self._nixl:
+                if locked:
                     self._agent.release_dlist_handle(h)
+                else:
+                    with self._nixl:
+                        self._agent.release_dlist_handle(h)
             except Exception as e:  # nothing the caller can do; NIXL frees it at close
                 log.warning("NIXL would not release a prepped list: %s", native.status_name(e))
         p.old.clear()
@@ -352,6 +395,7 @@ class NixlBackend(Backend):
         try:
             lp, rp = self._preps[local_prep], self._preps[remote_prep]
         except (KeyError, TypeError):
+            self._check_open()  # closed by another thread meanwhile
             raise InvalidHandle(f"no prepped list with handle {local_prep!r} or {remote_prep!r} (released?)") from None
         if rp.epoch is not None and rp.epoch.stale:
             raise RemoteRejected(f"peer {rp.peer!r} deregistered memory since its metadata was loaded; "
@@ -370,34 +414,45 @@ class NixlBackend(Backend):
                 li, ri = _rows(local_idx, lp, "local_idx"), _rows(remote_idx, rp, "remote_idx")
         except AttributeError:  # None, lists
             li, ri = _rows(local_idx, lp, "local_idx"), _rows(remote_idx, rp, "remote_idx")
-        perr = None
-        with self._nixl:  # one hold for both calls (see __init__)
-            try:
-                xh = self._make(self._read if op is _READ else self._write, lside._handle, li, rside._handle, ri,
-                                notif or b"", [], False)
-            except Exception as e:
-                xh, perr = None, e
-            else:
-                try:
-                    s = self._post(xh, b"")
-                except Exception as e:  # e.g. the peer is already gone
-                    perr = e
+        while True:
+            perr = xh = None
+            with self._nixl:  # one hold for both calls and the record (see __init__)
+                # another thread may have closed the backend, or retired (and then freed) these lists
+                # (a deregistration, a peer removed or reloaded, a prep released) since we read them
+                if self._closed or lp.side is not lside or rp.target is not rside:
+                    stale = True
+                else:
+                    stale = False
+                    try:
+                        xh = self._make(self._read if op is _READ else self._write, lside._handle, li,
+                                        rside._handle, ri, notif or b"", [], False)
+                    except Exception as e:
+                        perr = e
+                    else:
+                        try:
+                            s = self._post(xh, b"")
+                        except Exception as e:  # e.g. the peer is already gone
+                            perr = e
+                        if perr is not None:
+                            x = _Xfer(xh, rp.peer, XferState.err(native.translate(
+                                perr, f"posting a {op.value} to {rp.peer or 'this agent'}", TransferError)))
+                        elif s == self._ok:  # small or same-host (cma) copies finish within the post:
+                            x = xh           # NIXL's int handle alone is the cheapest record of that
+                        else:
+                            x = _Xfer(xh, rp.peer)
+                            if s != self._inprog:
+                                self._poll_locked(x)  # NIXL says why when asked
+                            else:
+                                x.deadline = time.monotonic() + self.timeout
+                        h = next(self._ids)  # the base class's id space (a C iterator: atomic under the GIL)
+                        self._xfers[h] = x
+            if not stale:
+                break
+            if self._closed:
+                self._check_open()
+            lside, rside = self._sides(lp, rp)  # re-checks and re-preps, or says why not
         if xh is None:
             return self._refused(perr, op, lp, li, rp, ri, notif)
-        if perr is not None:
-            x = _Xfer(xh, rp.peer, XferState.err(native.translate(
-                perr, f"posting a {op.value} to {rp.peer or 'this agent'}", TransferError)))
-        else:
-            if s == self._ok:  # small or same-host (cma) copies finish within the post:
-                x = xh         # NIXL's int handle alone is the cheapest record of that
-            else:
-                x = _Xfer(xh, rp.peer)
-                if s != self._inprog:
-                    self._poll(x)  # NIXL says why when asked
-                else:
-                    x.deadline = time.monotonic() + self.timeout
-        h = next(self._ids)  # the base class's id space (a C iterator: atomic under the GIL)
-        self._xfers[h] = x
         return h  # type: ignore[return-value]  (XferHandle is an int)
 
     def _refused(self, e: Exception, op: Op, lp: _Prep, li: Any, rp: _Prep, ri: Any,
@@ -412,8 +467,11 @@ class NixlBackend(Backend):
             raise native.translate(e, f"creating a {op.value} of {li.size} descriptors", InvalidArgument) from e
         if notif is not None:
             self._send_notif(rp.peer or self.agent_name, notif)
-        h = next(self._ids)
-        self._xfers[h] = _Xfer(None, rp.peer, _DONE)
+        with self._nixl:
+            if self._closed:
+                self._check_open()
+            h = next(self._ids)
+            self._xfers[h] = _Xfer(None, rp.peer, _DONE)
         return h  # type: ignore[return-value]
 
     def check_state(self, handle: XferHandle) -> XferState:
@@ -422,18 +480,28 @@ class NixlBackend(Backend):
         try:
             x = self._xfers[handle]
         except (KeyError, TypeError):
+            self._check_open()  # closed by another thread meanwhile
             raise InvalidHandle(f"no transfer with handle {handle!r} (released?)") from None
         if x.__class__ is not _Xfer:  # NIXL's handle alone: DONE within its post
             return _DONE
         if x.state is _PROC:
             self._poll(x)
+            if x.handle is None and x.state is _PROC:  # released or closed by another thread meanwhile
+                self._check_open()
+                raise InvalidHandle(f"no transfer with handle {handle!r} (released meanwhile)")
         return x.state
 
     def _poll(self, x: _Xfer) -> None:
-        """Ask NIXL once; enforce the deadline NIXL does not have."""
+        with self._nixl:
+            self._poll_locked(x)
+
+    def _poll_locked(self, x: _Xfer) -> None:
+        """Ask NIXL once (the caller holds ``_nixl``); enforce the deadline
+        NIXL does not have.  A handle freed meanwhile is not asked about."""
+        if x.handle is None or x.state is not _PROC:
+            return
         try:
-            with self._nixl:
-                s = self._status(x.handle)
+            s = self._status(x.handle)
         except Exception as e:
             x.state = XferState.err(native.translate(e, f"transfer with {x.peer or 'this agent'}", TransferError))
             return
@@ -449,50 +517,68 @@ class NixlBackend(Backend):
     def release(self, handle: XferHandle | PrepHandle) -> None:
         if self._closed:
             self._check_open()
-        x = self._xfers.pop(handle, None)
+        with self._nixl:  # one owner per record: close() and _drop_peer take them under it too
+            if self._closed:
+                raise ClosedError(f"backend {type(self).__name__} of agent {self.agent_name!r} is closed")
+            try:
+                x = self._xfers.pop(handle, None)
+            except TypeError:  # unhashable: not one of ours
+                raise InvalidHandle(f"no transfer or prep with handle {handle!r}") from None
+            if x is not None and x.__class__ is not _Xfer:  # finished within its post
+                try:
+                    self._free(x)
+                except Exception:  # not expected of a finished transfer; retried at close
+                    self._leaked.append(x)
+                return
         if x is None:
             with self._lock:
-                p = self._preps.pop(handle, None)
+                self._check_open()
+                try:
+                    p = self._preps.pop(handle, None)
+                except TypeError:  # unhashable (an empty dict does not even hash it)
+                    p = None
                 if p is None:
                     raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
                 self._free_prep(p)
-        elif x.__class__ is not _Xfer:  # finished within its post
-            try:
-                with self._nixl:
-                    self._free(x)
-            except Exception:  # not expected of a finished transfer; retried at close
-                self._leaked.append(x)
         elif x.handle is not None:
             self._free_xfer(x, wait=True)
 
     def _free_xfer(self, x: _Xfer, wait: bool) -> None:
         """Release NIXL's handle.  NIXL cancels what it can; one it cannot
         free yet is waited for (``wait``, bounded by ``timeout``), then kept
-        to retry at ``close``."""
+        to retry at ``close``.  ``x.handle`` is read, freed and cleared under
+        ``_nixl``: whoever gets there first frees it, exactly once."""
         end = time.monotonic() + (self.timeout if wait else 0.0)
         while True:
-            try:
-                with self._nixl:
-                    self._free(x.handle)
-                break
-            except Exception:
-                if time.monotonic() >= end:
-                    self._leaked.append(x.handle)
-                    break
-            try:
-                with self._nixl:
-                    self._status(x.handle)  # lets NIXL progress it
-            except Exception:
-                pass
+            with self._nixl:
+                h = x.handle
+                if h is None:  # freed by another thread (a peer dropped, close)
+                    return
+                if self._free is None:  # closed: NIXL's destructor has it
+                    x.handle = None
+                    return
+                try:
+                    self._free(h)
+                except Exception:
+                    if time.monotonic() >= end:
+                        self._leaked.append(h)
+                        x.handle = None
+                        return
+                    try:
+                        self._status(h)  # lets NIXL progress it
+                    except Exception:
+                        pass
+                else:
+                    x.handle = None
+                    return
             time.sleep(0.001)
-        x.handle = None
 
     # -- notifications --------------------------------------------------------
 
     def notify(self, peer: str, msg: bytes) -> None:
         self._check_open()
         self._check_notif(msg)
-        self._peers[peer]  # known?
+        self._known(peer)
         self._send_notif(peer, msg)
 
     def _send_notif(self, peer: str, msg: bytes) -> None:
@@ -500,6 +586,7 @@ class NixlBackend(Backend):
             with self._nixl:
                 self._agent.send_notif(peer, bytes(msg))
         except Exception as e:
+            self._check_open()  # closed by another thread meanwhile: say so
             raise native.translate(e, f"notifying {peer!r}", TransferError, {"NIXL_ERR_NOT_FOUND": UnknownPeer}) from e
 
     def get_notifs(self) -> dict[str, list[bytes]]:
@@ -508,6 +595,7 @@ class NixlBackend(Backend):
             with self._nixl:
                 got = self._agent.get_new_notifs()
         except Exception as e:
+            self._check_open()  # closed by another thread meanwhile: say so
             raise native.translate(e, "fetching notifications", TransferError) from e
         # NIXL delivers messages of any size, from any agent that loaded our metadata (kvt or
         # not): what no kvt peer may send goes no further, as on the other backends
@@ -523,36 +611,40 @@ class NixlBackend(Backend):
 
     def close(self) -> None:
         """Release every handle, registration and peer, then the NIXL agent.
-        Idempotent; never raises."""
+        Idempotent; never raises.  Holds ``_nixl`` throughout, so that no
+        other thread's NIXL call (or free) interleaves with the teardown: one
+        that started first completes first, one that comes after finds the
+        backend closed."""
         if self._closed:
             return
         self._closed = True
-        with self._lock:
+        with self._lock, self._nixl:
             for x in self._xfers.values():
-                self._leaked.append(x.handle if x.__class__ is _Xfer else x)
+                if x.__class__ is _Xfer:
+                    h, x.handle = x.handle, None  # a thread still polling it now leaves NIXL alone
+                else:
+                    h = x
+                if h is not None:
+                    self._leaked.append(h)
+            self._xfers.clear()
             for p in self._preps.values():
-                self._free_prep(p)
+                self._free_prep(p, locked=True)
             for reg in self._regs.values():
                 if reg is not None:
                     try:
-                        with self._nixl:
-                            self._agent.deregister_memory(reg)
+                        self._agent.deregister_memory(reg)
                     except Exception as e:
                         log.warning("NIXL would not deregister memory at close: %s", native.status_name(e))
             for peer in self._peers:
                 try:
-                    with self._nixl:
-                        self._agent.remove_remote_agent(peer)
+                    self._agent.remove_remote_agent(peer)
                 except Exception:
                     pass
             for h in self._leaked:  # last try; the agent's destructor gets the rest
-                if h is not None:
-                    try:
-                        with self._nixl:
-                            self._free(h)
-                    except Exception:
-                        pass
-            self._xfers.clear()
+                try:
+                    self._free(h)
+                except Exception:
+                    pass
             self._preps.clear()
             self._regs.clear()
             self._watches.clear()
