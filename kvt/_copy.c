@@ -6,7 +6,8 @@
  * into one memmove.  Large requests are cut into 1 MiB pieces that the
  * caller and parked helper threads claim in turn.
  * Callers (kvt/memcopy.py) vouch that every address is mapped: this module
- * checks shapes and types, not memory.
+ * checks shapes and types, not memory; but it refuses (ValueError) a row
+ * whose address + length wraps past 2**64, which no mapping can hold.
  *
  * copy_indexed is a whole same-host request in one call: rows picked by
  * index from tables prepared once (bounds and pairwise lengths checked
@@ -57,6 +58,18 @@ static inline uint64_t row_dst(const Plan *p, Py_ssize_t i)
 static inline uint64_t row_src(const Plan *p, Py_ssize_t i)
 {
     return AT(p->src, p->sstride, six(p, i));
+}
+
+/* Row i's dst or src range wraps past 2**64 (then it cannot be memory): ValueError set, -1. */
+static int check_wrap(const Plan *p, Py_ssize_t i, uint64_t l)
+{
+    uint64_t d = row_dst(p, i), s = row_src(p, i);
+    if (d + l < d || s + l < s) {
+        PyErr_Format(PyExc_ValueError, "row %zd: address + length wraps past 2**64 (dst %llu, src %llu, %llu bytes)",
+                     i, (unsigned long long)d, (unsigned long long)s, (unsigned long long)l);
+        return -1;
+    }
+    return 0;
 }
 
 /* Every row, merging runs contiguous on both sides. */
@@ -227,7 +240,7 @@ static int get_column(PyObject *obj, Py_buffer *view, const char *what)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0)
         return -1;
-    const char *f = view->format ? view->format : "B";
+    const char *f = view->format && view->format[0] ? view->format : "B"; /* "" would index f[-1] */
     char code = f[strlen(f) - 1];
     if (view->ndim != 1 || view->itemsize != 8 || !strchr("QLN", code) || (f[0] && strchr(">!", f[0]))) {
         PyErr_Format(PyExc_TypeError, "%s must be a 1-D array of native uint64 (got ndim %d, format '%s')",
@@ -302,6 +315,9 @@ static PyObject *py_copy(PyObject *self, PyObject *args, PyObject *kw)
     } else {
         total = p.ulen * (uint64_t)p.n;
     }
+    for (Py_ssize_t i = 0; i < p.n; i++)
+        if (check_wrap(&p, i, row_len(&p, i)) < 0)
+            goto done;
     Py_BEGIN_ALLOW_THREADS
     run(&p, total, threads, split);
     Py_END_ALLOW_THREADS
@@ -319,7 +335,7 @@ static int get_index(PyObject *obj, Py_buffer *view, const char *what)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0)
         return -1;
-    const char *f = view->format ? view->format : "B";
+    const char *f = view->format && view->format[0] ? view->format : "B";
     char code = f[strlen(f) - 1];
     if (view->ndim != 1 || view->itemsize != 8 || !strchr("qln", code) || (f[0] && strchr(">!", f[0]))) {
         PyErr_Format(PyExc_TypeError, "%s must be a 1-D array of native int64 (got ndim %d, format '%s')",
@@ -426,6 +442,8 @@ static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
                          (unsigned long long)AT(sl, slstride, s));
             goto done;
         }
+        if (check_wrap(&p, i, l) < 0)
+            goto done;
         if (total + l < total) {
             PyErr_SetString(PyExc_OverflowError, "lengths sum past 2**64");
             goto done;
@@ -435,6 +453,9 @@ static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
     long long code = (long long)total;
     if (total > max_bytes) {
         code = TOO_BIG;
+    } else if (total > (uint64_t)INT64_MAX) { /* the count would read as a negative outcome (STALE...) */
+        PyErr_SetString(PyExc_OverflowError, "lengths sum past 2**63");
+        goto done;
     } else if (epoch && epoch_now((uintptr_t)epoch) != seen) {
         code = STALE;
     } else {

@@ -43,7 +43,10 @@ ENV_AUTH_KEY = "KVT_AUTH_KEY"
 ENV_AUTH_KEY_FILE = "KVT_AUTH_KEY_FILE"
 _SECRET_FIELDS = ("auth_key",)  # never shown: not in repr, not in error messages
 
-_Seconds = Annotated[float, msgspec.Meta(gt=0)]
+#: the longest timeout accepted (~31 years): inf or 1e300 seconds overflow the waits they reach
+#: (``threading`` and ZMQ timeouts), which raised OverflowError instead of waiting
+MAX_SECONDS = 1e9
+_Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
 
 
@@ -86,8 +89,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("auth_key is a configuration field, not a backend option: set auth_key in "
                              f"the config file or {ENV_AUTH_KEY}")
         timeout = self.options.get("timeout", self.transfer_timeout)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"options.timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_SECONDS:
+            raise ValueError(f"options.timeout must be a positive number of seconds, at most {MAX_SECONDS:g}, "
+                             f"got {timeout!r}")
         self.options = {**self.options, "timeout": timeout}
 
     def __repr__(self) -> str:
@@ -98,10 +102,16 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     __rich_repr__ = None
 
 
+MAX_KEY_FILE_BYTES = 65536  # a key file is a line of text: /dev/zero or a huge file must not be read whole
+
+
 def _read_key(path: str) -> str:
     try:
-        with open(Path(path).expanduser(), encoding="utf-8") as f:
-            return f.read().strip()
+        with open(Path(path).expanduser(), "rb") as f:
+            raw = f.read(MAX_KEY_FILE_BYTES + 1)
+        if len(raw) > MAX_KEY_FILE_BYTES:
+            raise ValueError(f"cannot read auth_key_file {path}: longer than {MAX_KEY_FILE_BYTES} bytes")
+        return raw.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read auth_key_file {path}: {getattr(e, 'strerror', None) or e}") from None
 

@@ -22,13 +22,14 @@ name a ``tcp://`` endpoint.  Names are ``[A-Za-z0-9._-]``, at most 200 bytes.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
+import math
 import re
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -42,8 +43,10 @@ DEFAULT_TTL = 10.0       # seconds a dead publisher stays resolvable at most
 _PREFIX = "/kvt/agents/"
 _MAX_RECORD = 4096       # bytes of one record we accept from a store
 _MAX_REPLY = 1 << 20     # bytes of one etcd gateway reply we read
+MAX_TTL = 9_000_000_000  # seconds: etcd's own cap on a lease (MaxLeaseTTL)
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 _ENDPOINT = re.compile(r"tcp://[A-Za-z0-9._:\[\]-]{1,300}")
+_HOST_PORT = re.compile(r"(?:[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
 
 
 def open_store(url: str | None) -> "Store":
@@ -53,7 +56,11 @@ def open_store(url: str | None) -> "Store":
                           "(or tcpstore://host:port), or connect by tcp:// endpoint")
     parts = urlsplit(url)
     if parts.scheme == "etcd":
-        return EtcdStore([f"http://{hp}" for hp in parts.netloc.split(",") if hp])
+        members = [hp for hp in parts.netloc.split(",") if hp]
+        for hp in members:
+            if not _HOST_PORT.fullmatch(hp) or not 0 < int(hp.rpartition(":")[2]) < 65536:
+                raise ConfigError(f"discovery URL {url!r}: {hp!r} is not host:port")
+        return EtcdStore([f"http://{hp}" for hp in members])
     if parts.scheme == "tcpstore":
         if not parts.hostname or not parts.port:
             raise ConfigError(f"discovery URL {url!r} needs tcpstore://host:port")
@@ -76,9 +83,10 @@ def _endpoint_of(raw: bytes, name: str, where: str) -> tuple[str, float | None]:
         endpoint, expires = rec["endpoint"], rec.get("expires")
         if not isinstance(endpoint, str) or not _ENDPOINT.fullmatch(endpoint):
             raise ValueError(f"endpoint {endpoint!r}")
-        if expires is not None and not isinstance(expires, (int, float)):
-            raise ValueError(f"expiry {expires!r}")
-    except (ValueError, KeyError, TypeError) as e:
+        if expires is not None and (isinstance(expires, bool) or not isinstance(expires, (int, float))
+                                    or not math.isfinite(expires)):
+            raise ValueError(f"expiry {expires!r}")  # NaN or Infinity would never expire
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:  # deep nesting: RecursionError
         raise DiscoveryError(f"{where} holds an unreadable record for {name!r} ({e}); "
                              "is something else writing under /kvt/agents/?") from e
     return endpoint, expires
@@ -91,16 +99,24 @@ class Store:
         self._stop = threading.Event()
         self._published: dict[str, tuple[Any, str, float]] = {}  # name -> (the store's lease, endpoint, ttl)
         self._lock = threading.Lock()
+        # held across each store call that writes a record (publish, withdraw, one renewal): a renewal
+        # in flight must not write back a record that was withdrawn or re-published meanwhile
+        self._writing = threading.Lock()
         self._keeper: threading.Thread | None = None
 
     def publish(self, name: str, endpoint: str, ttl: float | None = None) -> None:
         """Make ``name`` resolve to ``endpoint`` while this process lives (plus
         at most ``ttl`` seconds, default ``DEFAULT_TTL``)."""
         _check_name(name)
-        ttl = DEFAULT_TTL if ttl is None else float(ttl)
-        if not ttl >= 1:
-            raise InvalidArgument(f"discovery ttl must be >= 1 second, got {ttl}")
-        with self._lock:
+        if not isinstance(endpoint, str) or not _ENDPOINT.fullmatch(endpoint):
+            raise InvalidArgument(f"discovery endpoint {endpoint!r} must be tcp://host:port")
+        try:
+            ttl = DEFAULT_TTL if ttl is None else float(ttl)
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidArgument(f"discovery ttl must be a number of seconds, got {ttl!r}") from None
+        if not 1 <= ttl <= MAX_TTL:  # NaN and Infinity too
+            raise InvalidArgument(f"discovery ttl must be >= 1 second and <= {MAX_TTL}, got {ttl}")
+        with self._writing, self._lock:
             self._published[name] = (self._put(name, endpoint, ttl), endpoint, ttl)
             if self._keeper is None:
                 self._keeper = threading.Thread(target=self._keep, name="kvt-discovery", daemon=True)
@@ -118,11 +134,13 @@ class Store:
         return endpoint
 
     def withdraw(self, name: str) -> None:
-        """Stop publishing ``name`` (it stops resolving now)."""
-        with self._lock:
-            rec = self._published.pop(name, None)
-        if rec is not None:
-            self._drop(name, rec[0])
+        """Stop publishing ``name`` (it stops resolving now; a renewal in
+        flight is waited for, so it cannot publish the name again)."""
+        with self._writing:
+            with self._lock:
+                rec = self._published.pop(name, None)
+            if rec is not None:
+                self._drop(name, rec[0])
 
     def close(self) -> None:
         """Withdraw everything this store published; idempotent."""
@@ -140,14 +158,24 @@ class Store:
                 items = list(self._published.items())
             if self._stop.wait(max(0.3, min((ttl for _, (_, _, ttl) in items), default=DEFAULT_TTL) / 3)):
                 return
-            for name, (lease, endpoint, ttl) in items:
-                try:
-                    fresh = self._renew(name, lease, endpoint, ttl)
-                except DiscoveryError as e:  # keep trying: the store may come back within the ttl
-                    log.warning("renewing %r in %s failed: %s", name, self, e)
-                    continue
-                with self._lock:
-                    if name in self._published:
+            for name, _ in items:
+                with self._writing:
+                    if self._stop.is_set():
+                        return
+                    with self._lock:
+                        rec = self._published.get(name)  # as it is now: withdrawn or re-published meanwhile?
+                    if rec is None:
+                        continue
+                    lease, endpoint, ttl = rec
+                    try:
+                        fresh = self._renew(name, lease, endpoint, ttl)
+                    except DiscoveryError as e:  # keep trying: the store may come back within the ttl
+                        log.warning("renewing %r in %s failed: %s", name, self, e)
+                        continue
+                    except Exception as e:  # noqa: BLE001 - a store's answer must not end the renewals
+                        log.warning("renewing %r in %s failed: %r", name, self, e)
+                        continue
+                    with self._lock:
                         self._published[name] = (fresh, endpoint, ttl)
 
     # -- what each store implements ---------------------------------------------------
@@ -166,6 +194,55 @@ class Store:
         raise NotImplementedError
 
 
+class _ReplyTooBig(Exception):
+    pass
+
+
+def _post(url: str, path: str, data: bytes, timeout: float) -> tuple[int, bytes]:
+    """(status, body) of one HTTP POST, everything within ``timeout`` seconds:
+    plain ``http.client`` (no proxy from the environment, no redirects), and a
+    timer that shuts the socket down at the deadline, since a socket timeout
+    bounds each read, not the reply."""
+    hostport = url.split("://", 1)[1]
+    deadline = time.monotonic() + timeout
+    conn = http.client.HTTPConnection(hostport, timeout=timeout)
+    cut = threading.Event()
+
+    def _cut() -> None:
+        cut.set()
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, _cut)
+    timer.daemon = True
+    try:
+        conn.connect()  # bounded by the socket timeout
+        timer.interval = max(0.0, deadline - time.monotonic())
+        timer.start()
+        if cut.is_set():
+            raise TimeoutError("no reply within the timeout")
+        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        raw = b""
+        while len(raw) <= _MAX_REPLY:
+            chunk = r.read1(_MAX_REPLY + 1 - len(raw)) if hasattr(r, "read1") else r.read(65536)
+            if not chunk:
+                break
+            raw += chunk
+        if cut.is_set():
+            raise TimeoutError(f"no whole reply within {timeout} s")
+        if len(raw) > _MAX_REPLY:
+            raise _ReplyTooBig()
+        return r.status, raw
+    finally:
+        timer.cancel()
+        conn.close()
+
+
 class EtcdStore(Store):
     """etcd v3 through its JSON gateway; one lease per published name."""
 
@@ -179,24 +256,27 @@ class EtcdStore(Store):
         return f"etcd at {','.join(self.urls)}"
 
     def _call(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        """POST ``body`` to ``path`` on the first member that answers; each
+        member gets ``timeout`` in all (connect, headers and body: a member
+        that trickles its reply is cut at the deadline)."""
         data = json.dumps(body).encode()
+        limit = timeout if timeout and 0 < timeout <= MAX_TTL else self.timeout
         last: Exception | None = None
         for url in self.urls:  # any member of the cluster answers
-            req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                    raw = r.read(_MAX_REPLY + 1)
-                if len(raw) > _MAX_REPLY:
-                    raise DiscoveryError(f"{self} sent a reply over {_MAX_REPLY} bytes to {path}")
+                status, raw = _post(url, path, data, limit)
+                if status != 200:
+                    raise DiscoveryError(f"{self} refused {path}: HTTP {status} {raw[:500]!r}")
                 out = json.loads(raw)
                 if not isinstance(out, dict):
                     raise ValueError("not an object")
                 return out
-            except urllib.error.HTTPError as e:
-                raise DiscoveryError(f"{self} refused {path}: HTTP {e.code} {e.read(500)!r}") from e
-            except (OSError, ValueError) as e:  # unreachable, timed out, not JSON: try the next member
+            except _ReplyTooBig:
+                raise DiscoveryError(f"{self} sent a reply over {_MAX_REPLY} bytes to {path}") from None
+            except (OSError, ValueError, RecursionError, http.client.HTTPException) as e:
+                # unreachable, timed out, cut at the deadline, not HTTP, not JSON: try the next member
                 last = e
-        raise DiscoveryError(f"{self} is unreachable ({path}: {last}); is etcd running there?") from last
+        raise DiscoveryError(f"{self} is unreachable ({path}: {last!r}); is etcd running there?") from last
 
     @staticmethod
     def _key(name: str) -> str:
@@ -222,7 +302,7 @@ class EtcdStore(Store):
         result = self._call("/v3/lease/keepalive", {"ID": lease}).get("result")
         try:
             alive = int(result.get("TTL", 0)) > 0
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, OverflowError):  # e.g. "TTL": Infinity
             alive = False
         # a lease that ran out meanwhile (etcd unreachable for a whole ttl): publish anew
         return lease if alive else self._put(name, endpoint, ttl)

@@ -18,6 +18,7 @@ kernel, not kvt, decides who may read whose memory (docs/security.md).
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -28,15 +29,22 @@ __all__ = ["Epoch", "EpochWatch"]
 
 _NAME = "kvt-epoch"
 _COUNTER = struct.Struct("=Q")
+# the page can never shrink: a peer that maps it cannot be made to fault (SIGBUS) on a truncated file
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class Epoch:
     """The owner's counter (one per backend instance)."""
 
     def __init__(self) -> None:
-        self.fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, mmap.PAGESIZE)
-        self._mm = mmap.mmap(self.fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        self.fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, mmap.PAGESIZE)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            self._mm = mmap.mmap(self.fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+        except OSError:
+            os.close(self.fd)
+            raise
 
     @property
     def value(self) -> int:
@@ -62,6 +70,10 @@ class EpochWatch:
             raise OSError(f"{path} is not a kvt registration epoch")
         f = os.open(path, os.O_RDONLY)
         try:
+            # sealed against shrinking (as Epoch makes it): otherwise its owner could truncate it
+            # after we mapped it, and our next read of the counter would die of SIGBUS
+            if not fcntl.fcntl(f, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                raise OSError(f"{path} is not sealed against shrinking, as a registration epoch is")
             if os.fstat(f).st_size < _COUNTER.size:
                 raise OSError(f"{path} is too small to be a registration epoch")
             self._mm = mmap.mmap(f, _COUNTER.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -76,11 +88,11 @@ class EpochWatch:
     def open(cls, pid: int, fd: int, seen: int) -> "EpochWatch | None":
         """The watch, or ``None`` if the page cannot be mapped (then no
         same-host path may trust the metadata)."""
-        if fd < 0:
+        if not isinstance(fd, int) or fd < 0:
             return None
         try:
             return cls(pid, fd, seen)
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError, OverflowError):  # TypeError: pid or fd not a number
             return None
 
     @property

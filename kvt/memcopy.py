@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
+import math
 import os
 import select
 
@@ -50,10 +52,30 @@ else:
 ENGINE = "native" if _native is not None else "python"
 
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-THREADS = max(1, int(os.environ.get("KVT_COPY_THREADS", min(4, _CPUS))))
+MAX_THREADS = 16  # the native engine's cap (MAX_THREADS in _copy.c)
+
+
+def _env_number(name: str, default: float, lo: float, hi: float) -> float:
+    """``name`` from the environment as a number clamped to ``[lo, hi]``; the
+    default, with a warning, when it is not a finite number (NaN, inf, text):
+    a tuning knob must not make ``import kvt`` or every copy fail."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        logging.getLogger(__name__).warning("ignoring %s=%r (not a finite number); using %s", name, raw, default)
+        return default
+    return min(max(value, lo), hi)
+
+
+THREADS = int(_env_number("KVT_COPY_THREADS", min(4, _CPUS), 1, MAX_THREADS))
 #: threads for a copy on a worker thread, beside the still-running thread that posted it
 BACKGROUND_THREADS = max(1, min(THREADS, _CPUS - 1))
-SPLIT_BYTES = int(float(os.environ.get("KVT_COPY_SPLIT_MIB", 16)) * (1 << 20))
+SPLIT_BYTES = int(_env_number("KVT_COPY_SPLIT_MIB", 16, 0, 1 << 40) * (1 << 20))
 
 _IOV_MAX = 1024
 _BIG = 16 * 1024  # fallback: rows at least this long go to memmove (user-space memcpy beats the kernel copy)
@@ -136,11 +158,14 @@ def _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoc
             raise ValueError(f"src_lengths has {len(sl)} rows, src {len(src)}")
         if (sl[si] != n).any():
             raise ValueError("paired rows differ in length")
-    total = int(n.sum(dtype=np.uint64)) if n.size else 0
-    if n.size and n.sum(dtype=np.float64) >= 2.0 ** 64:
+    total = _sum(n)
+    if total >= 1 << 64:
         raise OverflowError("lengths sum past 2**64")
+    _check_wrap(dst[di], src[si], n)
     if total > max_bytes:
         return TOO_BIG
+    if total >= 1 << 63:  # the count would read as a negative outcome (STALE...)
+        raise OverflowError("lengths sum past 2**63")
     if epoch and _word(epoch) != seen:
         return STALE
     _copy_python(dst[di], src[si], n)
@@ -177,10 +202,34 @@ def _u64(a) -> np.ndarray:
     return a if a.dtype == np.uint64 and a.ndim == 1 else np.ascontiguousarray(a, np.uint64).reshape(-1)
 
 
+def _sum(lengths: np.ndarray) -> int:
+    """The exact sum of uint64 ``lengths`` (numpy's own wraps past 2**64)."""
+    if not lengths.size:
+        return 0
+    if int(lengths.max()) * lengths.size < 1 << 64:  # the common case: it cannot wrap
+        return int(lengths.sum(dtype=np.uint64))
+    return sum(lengths.tolist())
+
+
+def _check_wrap(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
+    """ValueError for a row whose address + length wraps past 2**64 (as the native engine)."""
+    with np.errstate(over="ignore"):
+        bad = (dst + lengths < dst) | (src + lengths < src)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"row {i}: address + length wraps past 2**64 (dst {int(dst[i])}, src {int(src[i])}, "
+                         f"{int(lengths[i])} bytes)")
+
+
 def _copy_python(dst, src, lengths) -> None:
     global _self_cma
     dst, src = np.asarray(dst, np.uint64), np.asarray(src, np.uint64)
+    if dst.shape != src.shape:
+        raise ValueError(f"src has {src.size} rows, dst {dst.size}")
     lengths = np.broadcast_to(np.asarray(lengths, np.uint64), dst.shape)
+    if _sum(lengths) >= 1 << 64:
+        raise OverflowError("lengths sum past 2**64")
+    _check_wrap(dst, src, lengths)
     dst, src, lengths = coalesce(dst, src, lengths)
     big = lengths >= _BIG
     for d, s, n in zip(dst[big].tolist(), src[big].tolist(), lengths[big].tolist()):

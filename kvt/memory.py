@@ -24,7 +24,10 @@ and why): 4 KiB pages cost a TLB miss every 4 KiB, and a 256 MiB copy from
 
 from __future__ import annotations
 
+import fcntl
+import math
 import mmap
+import operator
 import os
 import threading
 import weakref
@@ -52,8 +55,14 @@ def _meminfo() -> dict[str, int]:
     try:
         with open(MEMINFO) as f:
             return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)}
-    except (OSError, ValueError):
+    except (OSError, ValueError, IndexError):  # IndexError: a line with no value
         return {}
+
+
+def _huge_page_size(info: dict[str, int]) -> int:
+    """Bytes per huge page (2 MiB when /proc/meminfo does not say, or says nonsense such as 0)."""
+    kib = info.get("Hugepagesize", 2048)
+    return (kib if 0 < kib <= 1 << 30 else 2048) << 10
 
 
 def _shmem_thp() -> str:
@@ -72,7 +81,7 @@ def page_policy(nbytes: int = 1 << 30) -> tuple[str, str]:
     if os.environ.get("KVT_HUGEPAGES", "1") == "0":
         return "4k", "KVT_HUGEPAGES=0"
     info = _meminfo()
-    huge = info.get("Hugepagesize", 2048) << 10
+    huge = _huge_page_size(info)
     free = info.get("HugePages_Free", 0) * huge
     hugetlb = (f"hugetlb: {info.get('HugePages_Free', 0)} of {info.get('HugePages_Total', 0)} "
                f"{huge >> 10} KiB pages free")
@@ -100,11 +109,20 @@ def _map(size: int, kind: str) -> tuple[int, mmap.mmap, int]:
     """(fd, mapping, mapped size) of a new pre-faulted segment with ``kind`` pages."""
     flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if kind == "hugetlb" else 0)
     if kind != "4k":
-        step = (_meminfo().get("Hugepagesize", 2048) << 10) if kind == "hugetlb" else _THP_SIZE
+        step = _huge_page_size(_meminfo()) if kind == "hugetlb" else _THP_SIZE
         size = -(-size // step) * step
-    fd = os.memfd_create("kvt", flags)
+    try:
+        fd = os.memfd_create("kvt", flags | os.MFD_ALLOW_SEALING)
+    except OSError:  # hugetlb memfds take seals from Linux 4.16 on
+        fd = os.memfd_create("kvt", flags)
     try:
         os.ftruncate(fd, size)
+        # a segment never changes size: sealed, a same-host peer that mapped it can rely on that
+        # (a shrunk file would make its copies die of SIGBUS; see kvt.epoch for the same check)
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except OSError:  # a kernel without seals on this kind of memfd: unsealed, as before
+            pass
         if kind == "thp":  # advise before the first fault, then fault everything in
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             mm.madvise(mmap.MADV_HUGEPAGE)
@@ -130,10 +148,7 @@ def _forget(addr: int, fd: int) -> None:
 def empty(shape: Any, dtype: Any = np.uint8) -> np.ndarray:
     """A zero-filled, pre-faulted numpy array in a new shared segment."""
     dtype = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
-    nbytes = count * dtype.itemsize
-    if nbytes < 0:
-        raise InvalidArgument(f"negative size for shape {shape}")
+    nbytes = _nbytes(shape, dtype.itemsize)
     kind, _ = page_policy(max(nbytes, 1))
     kinds = [kind] + (["thp"] if kind == "hugetlb" and _shmem_thp() in _THP_ON else []) + (["4k"] if kind != "4k" else [])
     for kind in kinds:
@@ -152,13 +167,33 @@ def empty(shape: Any, dtype: Any = np.uint8) -> np.ndarray:
     return flat[:nbytes].view(dtype).reshape(shape)
 
 
+_MAX_BYTES = 1 << 62  # no machine maps more; beyond it numpy's int64 sizes would wrap
+
+
+def _nbytes(shape: Any, itemsize: int) -> int:
+    """The bytes of ``shape`` (ints), computed exactly: ``np.prod`` in int64 wraps silently."""
+    try:
+        dims = [operator.index(shape)]
+    except TypeError:
+        try:
+            dims = [operator.index(d) for d in shape]
+        except TypeError:
+            raise InvalidArgument(f"shape {shape!r} must be an int or a sequence of ints") from None
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"negative size for shape {shape}")
+    nbytes = math.prod(dims) * itemsize
+    if nbytes > _MAX_BYTES:
+        raise InvalidArgument(f"shape {shape} of {itemsize}-byte items is {nbytes} bytes, more than any segment")
+    return nbytes
+
+
 def empty_tensor(shape: Any, dtype: Any = None):
     """Like :func:`empty` but returns a CPU torch tensor (``torch`` dtype)."""
     import torch
 
     dtype = dtype or torch.float32
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = empty((int(np.prod(shape, dtype=np.int64)) * itemsize,), np.uint8)
+    raw = empty((_nbytes(shape, itemsize),), np.uint8)
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 

@@ -117,25 +117,55 @@ def _child(probe: str, settings: dict[str, Any]) -> tuple[str, str]:
 def _drop(key: tuple[str, str]) -> None:
     proc = _children.pop(key).proc
     proc.kill()
-    proc.wait()
+    for f in (proc.stdin, proc.stdout):
+        try:
+            f.close()
+        except OSError:  # a write the child never read: nothing to flush to a killed child
+            pass
+    try:
+        proc.wait(START_TIMEOUT)  # SIGKILLed: only a process stuck in the kernel takes long
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _wait(fd: int, event: int, deadline: float) -> bool:
+    """``fd`` is ready for ``event`` (or hung up) before ``deadline``; poll(),
+    not select(): a busy process's pipes may be numbered past FD_SETSIZE (1024)."""
+    p = select.poll()
+    p.register(fd, event)
+    left = deadline - time.monotonic()
+    return left > 0 and bool(p.poll(max(1, int(left * 1000))))
 
 
 def _ask(child: subprocess.Popen, payload: bytes) -> bool:
+    """Send ``payload``; True if the child answers ``ok`` within ``CHECK_TIMEOUT``
+    in all (a child that stops reading cannot hold us in a blocking write)."""
+    deadline = time.monotonic() + CHECK_TIMEOUT
+    data = memoryview(struct.pack("<Q", len(payload)) + bytes(payload))
+    fd = child.stdin.fileno()
     try:
-        child.stdin.write(struct.pack("<Q", len(payload)) + payload)
-        child.stdin.flush()
-    except OSError:
+        os.set_blocking(fd, False)
+        while data:
+            if not _wait(fd, select.POLLOUT, deadline):
+                return False
+            try:
+                data = data[os.write(fd, data):]
+            except BlockingIOError:
+                continue
+    except (OSError, ValueError):  # the child died (EPIPE), or its pipe is closed
         return False
-    return _read(child, 2, CHECK_TIMEOUT) == b"ok"
+    return _read(child, 2, deadline - time.monotonic()) == b"ok"
 
 
 def _read(child: subprocess.Popen, n: int, timeout: float) -> bytes:
     out, fd, deadline = b"", child.stdout.fileno(), time.monotonic() + timeout
     while len(out) < n:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if not _wait(fd, select.POLLIN, deadline):
             return out
-        chunk = child.stdout.read1(n - len(out))
+        try:
+            chunk = os.read(fd, n - len(out))  # unbuffered: nothing read ahead that poll() would not see
+        except OSError:
+            return out
         if not chunk:  # the child died
             return out
         out += chunk

@@ -128,3 +128,25 @@ def test_bad_host_metadata_is_a_wire_error(owner, field, value):
     with HostBackend("victim", {"timeout": 5}) as b:
         with pytest.raises(WireError):
             b.add_remote(encode(msgspec.structs.replace(owner.md, **{field: value})))
+
+
+def test_a_segment_not_sealed_against_shrinking_is_not_mapped():
+    """A same-user process could hand us a kvt-named memfd and shrink it
+    after we mapped it: the next copy from it died of SIGBUS.  Only a
+    segment sealed against shrinking (as kvt.memory makes them) is mapped."""
+    import errno
+    import fcntl
+
+    from kvt_host import memops
+
+    fd = os.memfd_create("kvt-forged", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 1 << 16)
+        with pytest.raises(OSError) as e:
+            memops.mmap_fd(f"/proc/self/fd/{fd}", 1 << 16)
+        assert e.value.errno == errno.EACCES
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        addr, size = memops.mmap_fd(f"/proc/self/fd/{fd}", 1 << 16)
+        memops.munmap(addr, size)
+    finally:
+        os.close(fd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 
 from kvt.memcopy import copy as memcopy, gather, process_vm as cma, scatter
@@ -24,12 +25,16 @@ def mmap_fd(path: str, size: int) -> tuple[int, int]:
     """Map a shared file read/write, pre-faulted; returns (address, size).
 
     ``size`` is what the peer claims; the file's own size (fstat) must hold
-    it (``OSError`` EINVAL otherwise), so touching the mapping can never run
-    past the end of the file (SIGBUS)."""
+    it (``OSError`` EINVAL otherwise) and the file must be sealed against
+    shrinking (``kvt.memory`` seals its segments; ``OSError`` EACCES
+    otherwise), so touching the mapping can never run past the end of the
+    file (SIGBUS), then or later."""
     if not os.readlink(path).startswith("/memfd:kvt"):  # only kvt's segments, never a file the process has open
         raise OSError(errno.EACCES, f"{path} is not a kvt shared segment")
     fd = os.open(path, os.O_RDWR)
     try:
+        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+            raise OSError(errno.EACCES, f"{path} is not sealed against shrinking")
         if not 0 < size <= os.fstat(fd).st_size:
             raise OSError(errno.EINVAL, f"segment claims {size} bytes, the file holds {os.fstat(fd).st_size}")
         addr = _mmap(None, size, 0x3, 0x01 | 0x8000, fd, 0)  # PROT_READ|WRITE, MAP_SHARED|POPULATE
