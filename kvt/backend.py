@@ -92,8 +92,8 @@ class Backend(abc.ABC):
         """Undo ``register``.  An unknown or already deregistered handle
         raises ``InvalidHandle`` and changes nothing.  A backend whose own
         code serves peers' requests (``owner_check="server"``) returns only
-        once none of them touches that memory any more: the caller may free
-        it next."""
+        once none of them touches that memory any more, same-host peers'
+        direct copies included (``kvt.epoch``): the caller may free it next."""
 
     def get_xfer_descs(self, mem: Any, kind: MemKind | str | None = None) -> Descs:
         """Build a descriptor list from ``Descs``, an ``(n, 3)`` array of

@@ -11,6 +11,12 @@ value its metadata carried: if it moved, the metadata is stale and the copy
 must not happen (the host backend falls back to its owner-checked server;
 others refuse with ``RemoteRejected``).
 
+The page also orders a deregistration after the copies already under way:
+a peer holds a shared ``flock`` on its own open of the page while it copies
+(``EpochWatch.hold``), and the owner, after bumping the counter, takes the
+exclusive lock once (``Epoch.drain``), which waits for every such copy.  A
+copy that starts after the bump sees the new value and does not happen.
+
 This protects against stale metadata, the honest mistake.  It is not a
 boundary against a hostile process of the same user: on one host the
 kernel, not kvt, decides who may read whose memory (docs/security.md).
@@ -22,6 +28,7 @@ import fcntl
 import mmap
 import os
 import struct
+import time
 
 import numpy as np
 
@@ -54,6 +61,22 @@ class Epoch:
         """Call after a deregistration (callers serialise: one aligned 8-byte store)."""
         _COUNTER.pack_into(self._mm, 0, self.value + 1)
 
+    def drain(self, timeout: float) -> bool:
+        """After ``bump``: wait until no same-host peer is still inside a copy
+        it began before the bump.  False if one still was after ``timeout``
+        seconds (a peer stopped mid-copy)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.0005)  # copies run at memory speed
+                continue
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            return True
+
     def close(self) -> None:
         if self.fd >= 0:
             self._mm.close()
@@ -77,8 +100,10 @@ class EpochWatch:
             if os.fstat(f).st_size < _COUNTER.size:
                 raise OSError(f"{path} is too small to be a registration epoch")
             self._mm = mmap.mmap(f, _COUNTER.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(f)
+            raise
+        self._fd = f  # our own open file description: the lock ``hold`` takes is ours alone
         self.seen = seen  #: the value the peer's metadata carried
         self._word = np.frombuffer(self._mm, np.uint64, 1)
         #: where the counter is mapped, for native code that checks it around a copy (valid until close)
@@ -95,6 +120,20 @@ class EpochWatch:
         except (OSError, ValueError, TypeError, OverflowError):  # TypeError: pid or fd not a number
             return None
 
+    def hold(self) -> bool:
+        """Before a same-host copy: the owner's ``drain`` now waits for our
+        ``release``.  False while the owner is draining (its counter has
+        moved: the copy must not happen).  One copy at a time per watch: the
+        lock belongs to the open file, not the thread."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     @property
     def stale(self) -> bool:
         """The owner deregistered memory since the metadata was taken."""
@@ -104,3 +143,6 @@ class EpochWatch:
         self._word = None  # the mapping cannot close while an array views it
         self.address = 0
         self._mm.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -282,3 +282,16 @@ def test_only_kvt_errors_escape_for_garbage_metadata(two):
     for junk in (b"", b"\x00" * 10, encode(Request(id=1, sender="x", op="READ"))):
         with pytest.raises(KvtError):
             a.backend.add_remote(junk)
+
+
+def test_close_at_interpreter_exit():
+    """vLLM's finalizers close the connector at interpreter exit, when thread
+    pools refuse new work: close still closes every peer, quietly."""
+    import subprocess
+    import sys
+    script = ("import atexit\nfrom kvt import Agent\n"
+              "a, b = Agent(backend='host', name='a'), Agent(backend='host', name='b')\n"
+              "a.connect(b.listen('127.0.0.1', 0))\n"
+              "atexit.register(b.close)\natexit.register(a.close)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr

@@ -98,6 +98,14 @@ class Buffer:
         self.write(data, offset)
         return data
 
+    def fill_byte(self, value: int) -> None:
+        """Set every byte to ``value`` (a memset: no buffer-sized temporary)."""
+        if self.kind is MemKind.DRAM:
+            self.mem.fill(value)
+        else:
+            self.mem.fill_(value)
+            self._sync()
+
     def fill_blocks(self, block_len: int, ids: Any, seed: int) -> np.ndarray:
         """Fill blocks ``ids`` with one pattern, block after block; returns it as ``(len(ids), block_len)``."""
         ids = np.asarray(ids, np.int64)

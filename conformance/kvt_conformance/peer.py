@@ -78,7 +78,7 @@ class PeerCore:
 
     COMMANDS = ("info", "metadata", "alloc", "free", "fill_blocks", "contents", "add_remote",
                 "remove_remote", "serve_metadata", "fetch_remote", "notify", "take_notifs",
-                "snapshot_on_notif", "deregister", "start_spin", "spin_result")
+                "snapshot_on_notif", "deregister", "reregister", "start_spin", "spin_result")
 
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -111,13 +111,26 @@ class PeerCore:
         if handle is not None:
             self.backend.deregister(handle)
 
-    def deregister(self, key: str) -> None:
+    def deregister(self, key: str, scribble: bool = False) -> None:
         """Deregister buffer ``key`` but keep its memory (so a test can see
-        that nothing lands in, or is read from, memory no longer registered)."""
+        that nothing lands in, or is read from, memory no longer registered).
+        With ``scribble``, overwrite it with 0xFF the instant ``deregister``
+        returns: what a caller that freed the memory may put there next."""
         buf, handle = self._bufs[key]
         if handle is not None:
             self.backend.deregister(handle)
             self._bufs[key] = (buf, None)
+            if scribble:
+                buf.fill_byte(0xFF)
+
+    def reregister(self, key: str, nbytes: int, offset: int = 0) -> None:
+        """Register only ``nbytes`` from ``offset`` of buffer ``key`` instead of all of it."""
+        buf, handle = self._bufs[key]
+        if handle is not None:
+            self.backend.deregister(handle)
+            self._bufs[key] = (buf, None)
+        region = Descs.from_regions(buf.addr + offset, nbytes, buf.device, buf.kind)
+        self._bufs[key] = (buf, self.backend.register(region))
 
     def fill_blocks(self, key: str, block_len: int, ids: list[int], seed: int) -> None:
         self._bufs[key][0].fill_blocks(block_len, ids, seed)
@@ -212,6 +225,7 @@ class PeerCore:
                     self._inbox.setdefault(sender, []).extend(got)
                 if out:
                     return
+                time.sleep(0)  # no wait, but let other threads run: an in-process backend's worker needs the GIL
         finally:
             done.set()
 

@@ -5,16 +5,30 @@ breakage fail (and that the unbroken example passes them)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
-from kvt.backend import Inbox
-from kvt.errors import RemoteRejected
-from kvt.types import Descs, MemKind, Op, XferState
-from kvt_example.backend import _AGENTS, ExampleBackend, _copy
+import numpy as np
+from kvt.backend import Inbox, take_handle
+from kvt.errors import (InvalidArgument, InvalidDescriptor, PeerDisconnected, RemoteRejected, TransferError,
+                        UnsupportedOperation)
+from kvt.types import Descs, MemKind, Op, XferState, as_index
+from kvt.wire import decode
+from kvt_example.backend import _AGENTS, ExampleBackend, ExampleMetadata, _copy, _Job
 
 #: seconds the early-DONE double lets the bytes lag behind its DONE
 LAG = 0.02
+
+
+def _target(backend, job):
+    """The agent whose memory a job's remote rows are, or None once the job
+    ended ERR because there is none (as the example's own ``_run`` does)."""
+    target = backend if job.peer is None else _AGENTS.get(job.peer)
+    if target is None or target._closed:
+        job.finish(XferState.err(PeerDisconnected(f"peer {job.peer!r} is gone")))
+        return None
+    return target
 
 
 class BrokenEarlyDone(ExampleBackend):
@@ -54,7 +68,9 @@ class BrokenNoOwnerCheck(ExampleBackend):
     def _run(self, job):
         if not job.state.pending:
             return
-        target = self if job.peer is None else _AGENTS[job.peer]
+        target = _target(self, job)
+        if target is None:
+            return
         src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
         _copy(dst, src)
         if job.notif is not None:
@@ -82,7 +98,9 @@ class BrokenEarlyNotif(ExampleBackend):
     def _run(self, job):
         if not job.state.pending:
             return
-        target = self if job.peer is None else _AGENTS[job.peer]
+        target = _target(self, job)
+        if target is None:
+            return
         if (Descs(job.rrows).locate(target._regions.of(MemKind.DRAM)) < 0).any():
             return job.finish(XferState.err(RemoteRejected("not registered")))
         if job.notif is not None:
@@ -114,6 +132,163 @@ class BrokenDropsNotifs(ExampleBackend):
         self._inbox = _BlackHole()
 
 
+class BrokenDeregisterNoDrain(ExampleBackend):
+    """Test double: ``deregister`` returns at once, while a peer's transfer
+    may still be copying into or out of that memory."""
+
+    def deregister(self, handle):
+        self._check_open()
+        self._regions.remove(handle)
+
+
+class BrokenReleaseReturnsEarly(ExampleBackend):
+    """Test double: ``release`` of a running transfer returns without waiting
+    for it, so its bytes go on landing."""
+
+    def release(self, handle):
+        self._check_open()
+        job = take_handle(self._preps, self._xfers, handle)
+        if job is not None:
+            job.finish(XferState.err(TransferError("released before completion")))
+            job.future.cancel()  # only a job not started yet stops
+
+
+#: rows per request of the doubles that cut transfers into requests (kvt_host's limit)
+REQUEST_ROWS = 1 << 16
+
+
+class BrokenNotifAfterFirstRequest(ExampleBackend):
+    """Test double: cuts a transfer into requests of ``REQUEST_ROWS`` rows and
+    delivers the notification with the first; the rest land ``LAG`` later.
+    Transfers of one request are correct."""
+
+    def _run(self, job):
+        if not job.state.pending:
+            return
+        target = _target(self, job)
+        if target is None:
+            return
+        if (Descs(job.rrows).locate(target._regions.of(MemKind.DRAM)) < 0).any():
+            return job.finish(XferState.err(RemoteRejected("not registered")))
+        src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
+        for start in range(0, len(src), REQUEST_ROWS):
+            _copy(dst[start:start + REQUEST_ROWS], src[start:start + REQUEST_ROWS])
+            if start == 0 and job.notif is not None:
+                target._inbox.deliver(self.agent_name, job.notif)
+            if start + REQUEST_ROWS < len(src):
+                time.sleep(LAG)
+        job.finish(XferState.DONE)
+
+
+class BrokenRangeArithmetic(ExampleBackend):
+    """Test double: ``prep`` checks rows against registered regions with
+    naive uint64 arithmetic: an inclusive end (a row may end one byte past a
+    region) and ``address + length`` that wraps past 2**64."""
+
+    def prep(self, peer, descs):
+        descs = self._prep_descs(descs)
+        regions = self._regions.of(descs.kind) if peer is None else self._peers[peer]
+        with np.errstate(over="ignore"):
+            last = descs.addrs + descs.lengths - np.uint64(1)
+            ok = np.zeros(len(descs), bool)
+            for start, length, _ in regions.array:
+                ok |= (descs.addrs >= start) & (last <= start + length)
+        if not ok.all():
+            raise InvalidDescriptor("descriptors outside registered memory")
+        h = self._next_id()
+        self._preps[h] = (peer, descs)
+        return h
+
+
+class BrokenOwnerChecksStartsOnly(ExampleBackend):
+    """Test double: the owner checks only that each row *starts* in memory it
+    has registered now, not that it ends there."""
+
+    def _run(self, job):
+        if not job.state.pending:
+            return
+        target = _target(self, job)
+        if target is None:
+            return
+        starts = job.rrows.copy()
+        starts[:, 1] = 1
+        if (Descs(starts).locate(target._regions.of(MemKind.DRAM)) < 0).any():
+            return job.finish(XferState.err(RemoteRejected("not registered")))
+        src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
+        _copy(dst, src)
+        if job.notif is not None:
+            target._inbox.deliver(self.agent_name, job.notif)
+        job.finish(XferState.DONE)
+
+
+class BrokenPeerOnlyNoPairCheck(ExampleBackend):
+    """Test double: declares no local transfers (so the suite's local-only
+    argument tests skip), and pairs a peer transfer's rows without comparing
+    counts or lengths (extra rows dropped, the local row's length moved)."""
+
+    capabilities = msgspec.structs.replace(ExampleBackend.capabilities, local=False)
+
+    def transfer(self, op, local_prep, local_idx, remote_prep, remote_idx, notif=None):
+        self._check_open()
+        op = self._check_op(op, notif)
+        (lpeer, ldescs), (rpeer, rdescs) = self._preps[local_prep], self._preps[remote_prep]
+        if lpeer is not None:
+            raise InvalidArgument("local_prep must describe this agent's memory")
+        if rpeer is None:
+            raise UnsupportedOperation("local transfers are not declared")
+        self._peers[rpeer]
+        li, ri = as_index(local_idx, len(ldescs), "local_idx"), as_index(remote_idx, len(rdescs), "remote_idx")
+        n = min(li.size, ri.size)
+        lrows, rrows = ldescs.array[li[:n]], rdescs.array[ri[:n]].copy()
+        rrows[:, 1] = lrows[:, 1]
+        job = _Job(op, lrows, rrows, rpeer, None if notif is None else bytes(notif))
+        h = self._next_id()
+        self._xfers[h] = job
+        job.future = self._worker.submit(self._run, job)
+        return h
+
+
+class BrokenMetadataLeaksValueError(ExampleBackend):
+    """Test double: ``add_remote`` reads the peer's region table without
+    checking its size: numpy's ``ValueError`` escapes instead of ``WireError``."""
+
+    def add_remote(self, metadata):
+        self._check_open()
+        md = decode(metadata, ExampleMetadata)
+        if md.pid != os.getpid():
+            raise UnsupportedOperation("agents of this process only")
+        self._peers[md.name] = Descs(np.frombuffer(md.regions, np.uint64).reshape(-1, 3))
+        return md.name
+
+
+class BrokenNotifOnRefusal(ExampleBackend):
+    """Test double: when the owner refuses a transfer (memory it no longer
+    has registered), the transfer's notification still goes out."""
+
+    def _run(self, job):
+        target = _target(self, job) if job.state.pending else None
+        if target is not None and job.notif is not None and \
+                (Descs(job.rrows).locate(target._regions.of(MemKind.DRAM)) < 0).any():
+            target._inbox.deliver(self.agent_name, job.notif)
+        super()._run(job)
+
+
+#: the suites a variant runs, where not every suite: each double made for one contract runs the suites
+#: that test it and those it must still pass (running all of them again mostly re-tests the example)
+SUITES = {
+    "BrokenDeregisterNoDrain": ("RegistrationTests", "OwnerCheckTests", "CompletionTests"),
+    "BrokenReleaseReturnsEarly": ("TransferTests", "CompletionTests", "EngineScenarioTests"),
+    "BrokenNotifAfterFirstRequest": ("DescriptorTests", "TransferTests", "NotificationTests"),
+    "BrokenRangeArithmetic": ("RegistrationTests", "TransferTests", "ErrorTests"),
+    "BrokenOwnerChecksStartsOnly": ("TransferTests", "OwnerCheckTests"),
+    "BrokenPeerOnlyNoPairCheck": ("TransferTests", "CompletionTests", "ErrorTests"),
+    "BrokenMetadataLeaksValueError": ("TransferTests", "MetadataTests"),
+    "BrokenNotifOnRefusal": ("NotificationTests", "OwnerCheckTests"),
+}
+
 #: the unbroken backend first: the control every variant is compared with
 VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDoneWrite, BrokenNoOwnerCheck,
-            BrokenNoBoundsCheck, BrokenEarlyNotif, BrokenCrossHost, BrokenDropsNotifs)
+            BrokenNoBoundsCheck, BrokenEarlyNotif, BrokenCrossHost, BrokenDropsNotifs, BrokenDeregisterNoDrain,
+            BrokenReleaseReturnsEarly, BrokenNotifAfterFirstRequest, BrokenRangeArithmetic,
+            BrokenOwnerChecksStartsOnly, BrokenPeerOnlyNoPairCheck, BrokenMetadataLeaksValueError,
+            BrokenNotifOnRefusal)

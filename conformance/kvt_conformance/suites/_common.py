@@ -83,3 +83,8 @@ def moved(src: np.ndarray, src_ids: Any, dst_ids: Any) -> np.ndarray:
     want = np.zeros((2 * CONTRACT_BLOCKS, CONTRACT_BLOCK), np.uint8)
     want[dst_ids] = src.reshape(-1, CONTRACT_BLOCK)[src_ids]
     return want.ravel()
+
+
+#: transfers that must still be moving when the test acts (release, deregister): 8 MiB in 16,384
+#: rows, so that one takes a while even as a local memcpy driven from Python
+SLOW_BLOCK, SLOW_BYTES = 512, 8 << 20

@@ -11,10 +11,11 @@ from kvt.agent import poll_until
 from kvt.errors import InvalidHandle, KvtTimeoutError
 from kvt.types import MemKind, Op, Status
 
+from ..buffers import Buffer
 from ..fixtures import BackendFixtures, expect_done
 from ..requirements import requires
-from ._common import (CONTRACT_REPEATS, assert_bytes, contract_setup, contract_source, destination, expected,
-                      moved, scattered, seeds)
+from ._common import (CONTRACT_REPEATS, SLOW_BLOCK, SLOW_BYTES, assert_bytes, contract_setup, contract_source,
+                      destination, expected, moved, scattered, seeds)
 
 
 class CompletionTests(BackendFixtures):
@@ -77,6 +78,41 @@ class CompletionTests(BackendFixtures):
         again, dst, want = self._post(backend, local_buffer, far_buffer, op)
         expect_done(backend, again, wait_for)
         assert_bytes(dst.read(), want)
+
+    def test_released_transfer_lands_nothing_later(self, backend, local_buffer, far_buffer, op, where, wait_for):
+        """Once ``release`` returns, no byte of the transfer lands any more
+        (an engine hands the memory of an aborted load to the next request at
+        once).  The transfer is released as soon as it is seen moving; the
+        destination is then copied, a later transfer with the same peer is
+        awaited, and the destination must still be that copy."""
+        ns, fs = seeds(op)
+        near, (peer, far) = local_buffer(SLOW_BYTES, seed=ns), far_buffer(SLOW_BYTES, seed=fs)
+        # the barrier: a small transfer between two other buffers, with the same peer
+        bn, (_, bf) = local_buffer(SLOW_BLOCK, seed=ns), far_buffer(SLOW_BLOCK, seed=fs)
+        every = np.arange(SLOW_BYTES // SLOW_BLOCK)
+        lp, rp = backend.prep(None, near.blocks(SLOW_BLOCK, every)), backend.prep(peer, far.blocks(SLOW_BLOCK, every))
+        blp, brp = backend.prep(None, bn.blocks(SLOW_BLOCK, [0])), backend.prep(peer, bf.blocks(SLOW_BLOCK, [0]))
+        dst = destination(op, near, far)
+        # a destination in this process is watched as the bytes arrive: the first bytes of every block
+        watch = dst.mem.reshape(-1, SLOW_BLOCK)[:, :8] if isinstance(dst, Buffer) else None
+        for rep in range(CONTRACT_REPEATS):
+            if isinstance(dst, Buffer):  # not the source's bytes, so that what lands shows
+                dst.fill(5000 + rep)
+            else:
+                dst.peer.fill_blocks(dst.key, SLOW_BLOCK, every.tolist(), 5000 + rep)
+            before = None if watch is None else watch.copy()
+            handle = backend.transfer(op, lp, None, rp, None)
+            deadline = time.monotonic() + wait_for
+            while watch is not None and time.monotonic() < deadline and backend.check_state(handle).pending \
+                    and np.array_equal(watch, before):
+                pass  # spin until it is seen moving (or is over)
+            backend.release(handle)
+            after_release = dst.read()
+            expect_done(backend, backend.transfer(op, blp, None, brp, None), wait_for)
+            assert_bytes(dst.read(), after_release,
+                         f"repetition {rep}: {op.value} destination after release returned and a later transfer "
+                         "with the same peer completed (bytes of the released transfer landed after release "
+                         "returned: wait for or cancel it before returning)")
 
     @requires("local", "READ")
     def test_handles_are_distinct(self, backend, local_buffer, wait_for):

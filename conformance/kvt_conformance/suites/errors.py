@@ -14,13 +14,15 @@ from kvt.errors import (ClosedError, InvalidArgument, InvalidDescriptor, Invalid
                         UnknownPeer, UnsupportedOperation, WireError)
 from kvt.types import Descs, MemKind, Op
 
-from ..buffers import Buffer
+from ..buffers import Buffer, pattern
 from ..fixtures import BackendFixtures, expect_done
 from ..requirements import check, requires
 from ._common import assert_bytes
 
 BLOCK, N = 256, 8
 _NO_SUCH_HANDLE = 424242
+#: a length that makes a row's end pass 2**64 and wrap to 8 bytes after its start
+_WRAPS = (1 << 64) - 8
 
 
 @dataclass
@@ -33,6 +35,16 @@ class Setup:
     sp: Any
     dp: Any
     other: Any  #: a prepped list of a different block length
+
+
+@dataclass
+class PeerSetup:
+    """A registered local buffer and a peer's, prepped as N blocks each."""
+
+    backend: Any
+    lp: Any     #: this agent's list
+    rp: Any     #: the peer's list
+    rhalf: Any  #: the peer's list in rows of half the length
 
 
 def _op(backend) -> Op:
@@ -76,6 +88,21 @@ BAD_CALLS: dict[str, tuple[Callable[[Setup], Any], Any]] = {
     "remove_remote-unknown": (lambda s: s.backend.remove_remote("no-such-agent"), UnknownPeer),
 }
 
+# the same for a transfer with a peer
+BAD_PEER_CALLS: dict[str, tuple[Callable[[PeerSetup], Any], Any]] = {
+    "bad-op": (lambda s: s.backend.transfer("COPY", s.lp, [0], s.rp, [0]), InvalidArgument),
+    "local-index-out-of-range": (lambda s: s.backend.transfer(_op(s.backend), s.lp, [N], s.rp, [0]), InvalidArgument),
+    "remote-index-out-of-range": (lambda s: s.backend.transfer(_op(s.backend), s.lp, [0], s.rp, [N]), InvalidArgument),
+    "negative-index": (lambda s: s.backend.transfer(_op(s.backend), s.lp, [0], s.rp, [-1]), InvalidArgument),
+    "count-mismatch": (lambda s: s.backend.transfer(_op(s.backend), s.lp, [0, 1], s.rp, [0]), InvalidArgument),
+    "length-mismatch": (lambda s: s.backend.transfer(_op(s.backend), s.lp, [0], s.rhalf, [0]), InvalidArgument),
+    "unknown-remote-prep": (lambda s: s.backend.transfer(_op(s.backend), s.lp, [0], _NO_SUCH_HANDLE, [0]),
+                            InvalidHandle),
+    "peer-list-as-local": (lambda s: s.backend.transfer(_op(s.backend), s.rp, [0], s.rp, [1]), InvalidArgument),
+    "notif-too-large": (lambda s: s.backend.transfer(
+        _op(s.backend), s.lp, [0], s.rp, [0], notif=bytes(s.backend.capabilities.max_notif_bytes + 1)), _notif_error),
+}
+
 
 class ErrorTests(BackendFixtures):
     area = "errors"
@@ -110,6 +137,22 @@ class ErrorTests(BackendFixtures):
         assert not setup.dst.read().any(), "a refused call moved bytes"
         self._still_works(setup, wait_for)
 
+    @pytest.mark.parametrize("case", list(BAD_PEER_CALLS))
+    def test_bad_transfer_with_a_peer_raises_its_kvt_error(self, backend, local_buffer, peer, case, wait_for):
+        """The argument checks of ``transfer``, with the far side in a peer:
+        a backend that declares no local transfers gets them here too."""
+        near, far = local_buffer(BLOCK * N, seed=1), peer.alloc(BLOCK * N, seed=2)
+        name = backend.add_remote(peer.metadata())
+        s = PeerSetup(backend, backend.prep(None, near.blocks(BLOCK, range(N))),
+                      backend.prep(name, far.blocks(BLOCK, range(N))), backend.prep(name, far.blocks(BLOCK // 2, range(N))))
+        call, error = BAD_PEER_CALLS[case]
+        if not isinstance(error, type):
+            error = error(backend)
+        with pytest.raises(error):
+            call(s)
+        assert_bytes(near.read(), pattern(1, BLOCK * N), "this agent's memory after the refused call (nothing may move)")
+        assert_bytes(far.read(), pattern(2, BLOCK * N), "the peer's memory after the refused call (nothing may move)")
+
     def test_unknown_peer(self, backend, local_buffer):
         buf = local_buffer(1024)
         with pytest.raises(UnknownPeer):
@@ -120,20 +163,26 @@ class ErrorTests(BackendFixtures):
             with pytest.raises(UnknownPeer):
                 backend.notify("no-such-agent", b"x")
 
-    @pytest.mark.parametrize("how", ["unregistered", "past-the-end", "before-the-start", "deregistered"])
+    @pytest.mark.parametrize("how", ["unregistered", "past-the-end", "before-the-start", "deregistered",
+                                     "one-byte-past-the-end", "one-byte-before-the-start", "length-wraps"])
     def test_local_descriptors_outside_registered_memory(self, backend, make_backend, how):
         buf = make_backend.keep(Buffer(4096))
         handle = backend.register(Descs.from_regions(buf.addr + 1024, 2048))
         rows = {"unregistered": Descs.from_regions(make_backend.keep(Buffer(1024)).addr, 1024),
                 "past-the-end": Descs.from_regions(buf.addr + 3072 - 16, 32),
                 "before-the-start": Descs.from_regions(buf.addr + 1024 - 16, 32),
-                "deregistered": Descs.from_regions(buf.addr + 1024, 256)}[how]
+                "deregistered": Descs.from_regions(buf.addr + 1024, 256),
+                "one-byte-past-the-end": Descs.from_regions(buf.addr + 3072 - 16, 17),
+                "one-byte-before-the-start": Descs.from_regions(buf.addr + 1024 - 1, 17),
+                # address + length passes 2**64 and, wrapped, ends inside the region
+                "length-wraps": Descs.from_regions(buf.addr + 1024 + 16, _WRAPS)}[how]
         if how == "deregistered":
             backend.deregister(handle)
         with pytest.raises(InvalidDescriptor):
             backend.prep(None, rows)
 
-    @pytest.mark.parametrize("how", ["unregistered", "past-the-end", "one-bad-row-of-many"])
+    @pytest.mark.parametrize("how", ["unregistered", "past-the-end", "one-bad-row-of-many",
+                                     "one-byte-past-the-end", "length-wraps"])
     def test_peer_descriptors_outside_registered_memory(self, backend, peer, how):
         """A READ or WRITE can never reach peer memory the peer did not register."""
         registered, loose = peer.alloc(4096), peer.alloc(4096, register=False)
@@ -141,7 +190,9 @@ class ErrorTests(BackendFixtures):
         rows = {"unregistered": loose.blocks(1024, [0]),
                 "past-the-end": Descs.from_regions(registered.addr + 4096 - 16, 32),
                 "one-bad-row-of-many": Descs(np.concatenate([registered.blocks(256, range(15)).array,
-                                                             loose.blocks(256, [0]).array]))}[how]
+                                                             loose.blocks(256, [0]).array])),
+                "one-byte-past-the-end": Descs.from_regions(registered.addr + 4096 - 16, 17),
+                "length-wraps": Descs.from_regions(registered.addr + 16, _WRAPS)}[how]
         with pytest.raises(InvalidDescriptor):
             backend.prep(name, rows)
 

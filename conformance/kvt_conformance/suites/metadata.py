@@ -4,9 +4,12 @@ metadata rejected with a typed error that leaves the backend usable."""
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
+import msgspec
 import numpy as np
 import pytest
-from kvt.errors import InvalidDescriptor, UnknownPeer, WireError
+from kvt.errors import InvalidDescriptor, KvtError, UnknownPeer, WireError
 from kvt.handshake import HandshakeServer, request
 from kvt.types import Op
 from kvt.wire import AgentInfo, encode
@@ -21,6 +24,44 @@ _MALFORMED = {
     "truncated": lambda md: md[: len(md) // 2],
     "another-message": lambda md: encode(AgentInfo(name="x", backend="x", metadata=b"")),
 }
+
+
+def _hostile(value: Any) -> list[Any]:
+    """Values a hostile peer might put where ``value`` was: other types,
+    bounds of integers, cut, padded and oversized bytes and strings."""
+    if isinstance(value, bool):
+        return [not value, 2, "true"]
+    if isinstance(value, int):
+        return [-1, 0, (1 << 63) - 1, (1 << 64) - 1, "0", None, 0.5]
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value)
+        return [b"", value[:-1], value + b"\0", value[: len(value) // 2], value * 64, b"\xff" * len(value), "x", 0]
+    if isinstance(value, str):
+        return ["", "x" * 65536, value + "\0", 0, None]
+    if isinstance(value, list):
+        return [[], value * 2, [None], "x"]
+    if isinstance(value, dict):
+        return [{}, {"x": None}, []]
+    return [0, "x"]
+
+
+def _mutations(metadata: bytes) -> Iterator[tuple[str, bytes]]:
+    """``metadata`` (a msgpack map, as kvt wire messages are) re-encoded with
+    one field, at any depth, replaced by each of ``_hostile``'s values."""
+    root = msgspec.msgpack.decode(metadata)
+
+    def walk(container: Any, key: Any, path: str, depth: int) -> Iterator[tuple[str, bytes]]:
+        value = container[key]
+        for bad in _hostile(value):
+            container[key] = bad
+            yield f"{path}={bad!r:.40}", msgspec.msgpack.encode(root)
+        container[key] = value
+        if depth < 3 and isinstance(value, (dict, list)):
+            for k in list(value)[:4] if isinstance(value, dict) else range(min(len(value), 2)):
+                yield from walk(value, k, f"{path}.{k}", depth + 1)
+
+    for k in list(root):
+        yield from walk(root, k, str(k), 1)
 
 
 class MetadataTests(BackendFixtures):
@@ -89,3 +130,39 @@ class MetadataTests(BackendFixtures):
             backend.remove_remote(name)
         assert backend.add_remote(peer.metadata()) == name
         backend.prep(name, buf.blocks(256, [0]))
+
+    def test_hostile_metadata_fields(self, backend, local_buffer, peer, target, wait_for):
+        """A peer's metadata with one field replaced (wrong type, cut, padded,
+        oversized, out of range), for every field: ``add_remote`` raises a kvt
+        error or loads it, and a transfer with what it loaded raises a kvt
+        error or settles; nothing else escapes, nothing hangs, and the real
+        metadata still works afterwards."""
+        op = self._first_op(target)
+        far = peer.alloc(1024, seed=5)
+        near = local_buffer(1024)
+        md = peer.metadata()
+        try:
+            fields = msgspec.msgpack.decode(md)
+        except msgspec.DecodeError:
+            fields = None
+        if not isinstance(fields, dict):
+            pytest.skip("this backend's metadata is not a msgpack map: only the malformed-bytes cases apply")
+        escaped, stuck = [], []
+        for what, bad in _mutations(md):
+            try:
+                name = backend.add_remote(bad)
+                lp, rp = backend.prep(None, near.blocks(256, range(4))), backend.prep(name, far.blocks(256, range(4)))
+                handle = backend.transfer(op, lp, None, rp, None)
+                if backend.wait(handle, wait_for).pending:
+                    stuck.append(what)
+                backend.release(handle)
+            except KvtError:
+                pass
+            except Exception as e:  # noqa: BLE001 - collected: the failure lists every one
+                escaped.append(f"{what}: {type(e).__name__}: {e}")
+        assert not escaped, (f"{len(escaped)} hostile metadata fields made a non-kvt error escape (add_remote "
+                             "must raise WireError for malformed metadata; only kvt errors may escape): "
+                             + "; ".join(escaped[:5]))
+        assert not stuck, (f"transfers with {len(stuck)} hostile metadata fields loaded were still PROC after "
+                           f"{wait_for:g}s (each must settle within the backend's timeout): {stuck[:5]}")
+        self._check_path(backend, local_buffer, peer, target, wait_for)

@@ -15,6 +15,7 @@ from ..fixtures import BackendFixtures, expect_done
 from ..requirements import requires
 from ._common import (CONTRACT_BLOCK, CONTRACT_BLOCKS, CONTRACT_BYTES, CONTRACT_REPEATS, assert_bytes, contract_setup,
                       contract_source, moved, scattered)
+from .descriptors import HUGE, SMALL
 
 
 def collect(backend, sender: str, count: int, timeout: float, polling=None) -> list[bytes]:
@@ -160,6 +161,37 @@ class NotificationTests(BackendFixtures):
                 assert_bytes(near.read(), want,
                              f"repetition {rep}: READ data, when the peer overwrote its memory the instant the "
                              "READ's notification appeared (send it only after the last byte was read)")
+
+    def test_attached_notif_follows_every_byte_of_a_long_list(self, backend, local_buffer, peer, op, wait_for):
+        """The same at the peer, for 100,000 rows in one transfer: more than
+        a backend may put in one request on its wire (kvt's host backend cuts
+        at 65,536 rows), so a notification sent with the first request rather
+        than after the last is seen."""
+        near = local_buffer(HUGE * SMALL)
+        far = peer.alloc(2 * HUGE * SMALL, seed=61 if op is Op.READ else None)
+        name = backend.add_remote(peer.metadata())
+        near_ids, far_ids = np.arange(HUGE)[::-1], np.arange(0, 2 * HUGE, 2)  # no two rows contiguous on both sides
+        lp, rp = backend.prep(None, near.blocks(SMALL, near_ids)), backend.prep(name, far.blocks(SMALL, far_ids))
+        src = near.fill(62) if op is Op.WRITE else far.read()
+        want = np.zeros((2 * HUGE, SMALL), np.uint8) if op is Op.WRITE else np.zeros((HUGE, SMALL), np.uint8)
+        if op is Op.WRITE:
+            want[far_ids] = src.reshape(-1, SMALL)[near_ids]
+        else:
+            want[near_ids] = src.reshape(-1, SMALL)[far_ids]
+        patience = 3 * wait_for  # 100,000 rows: as the huge-list descriptor tests allow
+        peer.start_spin(backend.agent_name, b"long-list", far.key, patience, scribble=op is Op.READ)
+        handle = backend.transfer(op, lp, None, rp, None, notif=b"long-list")
+        expect_done(backend, handle, patience)
+        snap = peer.spin_result(patience)
+        assert snap is not None, f"the notification attached to a {op.value} of {HUGE} rows never reached the peer"
+        if op is Op.WRITE:
+            assert_bytes(np.frombuffer(snap, np.uint8), want.ravel(),
+                         f"peer memory the instant the notification of a WRITE of {HUGE} rows appeared (send it "
+                         "only after the last request landed, not with the first)")
+        else:
+            assert_bytes(near.read(), want.ravel(),
+                         f"READ of {HUGE} rows, when the peer overwrote its memory the instant the notification "
+                         "appeared (send it only after the last request was read, not with the first)")
 
     @requires("local")
     def test_attached_notif_follows_every_byte_locally(self, backend, local_buffer, op, wait_for):

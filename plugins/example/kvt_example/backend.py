@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 import numpy as np
 from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
-from kvt.errors import (InvalidArgument, PeerDisconnected, RemoteRejected, TransferError,
+from kvt.errors import (InvalidArgument, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError,
                         UnsupportedOperation, WireError)
 from kvt.types import Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState
 from kvt.wire import Message, decode, encode
@@ -97,6 +97,8 @@ class ExampleBackend(Backend):
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         super().__init__(agent_name, options)
         self._regions = RegionTable()                       # ours, read by peers' workers too
+        self._cv = threading.Condition()                    # peers' workers check _regions under it
+        self._copying = 0                                   # their copies from or into our memory, now
         self._peers = PeerTable()                           # peer -> its regions, as its metadata said
         self._preps = HandleTable("prepped descriptor list")  # handle -> (peer or None, Descs)
         self._xfers = HandleTable("transfer")
@@ -121,7 +123,13 @@ class ExampleBackend(Backend):
 
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
-        self._regions.remove(handle)
+        with self._cv:
+            self._regions.remove(handle)
+            # the caller may free the memory next: copies that passed their check finish first
+            # (all of them, which is simpler than tracking the rows of each; they run at memory speed)
+            if not self._cv.wait_for(lambda: not self._copying, self.timeout):
+                raise KvtTimeoutError(f"a copy still used {self.agent_name!r}'s memory after {self.timeout:g}s; "
+                                      "do not free it yet")
 
     # -- peers ----------------------------------------------------------------
 
@@ -179,12 +187,20 @@ class ExampleBackend(Backend):
         target = self if job.peer is None else _AGENTS.get(job.peer)
         if target is None or target._closed:
             return job.finish(XferState.err(PeerDisconnected(f"peer {job.peer!r} is gone")))
-        # the target serves only memory registered now (it may have deregistered since its metadata)
-        if (Descs(job.rrows).locate(target._regions.of(MemKind.DRAM)) < 0).any():
-            return job.finish(XferState.err(RemoteRejected(
-                f"{job.op.value} touches memory {target.agent_name!r} no longer has registered")))
-        src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
-        _copy(dst, src)
+        # the target serves only memory registered now (it may have deregistered since its metadata),
+        # and its deregister waits for copies that passed this check
+        with target._cv:
+            if (Descs(job.rrows).locate(target._regions.of(MemKind.DRAM)) < 0).any():
+                return job.finish(XferState.err(RemoteRejected(
+                    f"{job.op.value} touches memory {target.agent_name!r} no longer has registered")))
+            target._copying += 1
+        try:
+            src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
+            _copy(dst, src)
+        finally:
+            with target._cv:
+                target._copying -= 1
+                target._cv.notify_all()
         if job.notif is not None:
             target._inbox.deliver(self.agent_name, job.notif)
         job.finish(XferState.DONE)

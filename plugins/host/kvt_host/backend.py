@@ -118,6 +118,22 @@ _DONE = _Job(Op.READ, None, MemKind.DRAM, None, MemKind.DRAM, None, None)
 _DONE.state = XferState.DONE  # the record of every transfer settled inline: nothing to keep per transfer
 
 
+def _held(peer: "_Peer | None", copy, *args):
+    """``copy(*args)`` between our memory and same-host ``peer``'s, which
+    its ``deregister`` waits for (``EpochWatch.hold``: the caller may free
+    the memory when it returns); ``None``, nothing copied, while that peer
+    is deregistering.  Call holding the peer's lane (one copy per watch)."""
+    if peer is None:
+        return copy(*args)
+    if not peer.epoch.hold():
+        return None
+    try:
+        out = copy(*args)
+        return True if out is None else out
+    finally:
+        peer.epoch.release()
+
+
 class _Lane:
     """One worker thread, plus the right to run a job on the caller's thread
     instead when the lane is idle: small same-host copies then skip a thread
@@ -404,8 +420,9 @@ class HostBackend(Backend):
         with self._lock:
             descs = self._regions.remove(handle)
             self._epoch.bump()  # same-host peers holding our old metadata stop copying behind our back
-            # our server's requests still copying from or into it end first: the caller frees it next
-            drained = self._server.inflight.drain(descs, self.timeout)
+            # copies still running from or into it end first (same-host peers' and our server's
+            # requests): the caller frees it next
+            drained = self._epoch.drain(self.timeout) and self._server.inflight.drain(descs, self.timeout)
             self._mirrors.remove(handle)
         if not drained:
             raise KvtTimeoutError(f"a peer's request still used the deregistered memory after {self.timeout:g}s; "
@@ -541,9 +558,12 @@ class HostBackend(Backend):
                 if guards is None:
                     return None
                 try:
-                    got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), self.inline_bytes, *guards)
+                    got = _held(peer, self._copy_indexed, op, (lp, li, rp, ri, ln, checked), self.inline_bytes,
+                                *guards)
                 except (IndexError, ValueError, TypeError, OverflowError):
                     return None  # the general path checks again and names the problem
+                if got is None:
+                    return None  # it is deregistering: its server judges
             finally:
                 lane.leave()
             try:
@@ -625,8 +645,8 @@ class HostBackend(Backend):
         lp, li, rp, ri, _, _ = job.indexed
         guards = self._guards(job.peer, rp)
         # on the worker, beside the posting thread: one copy thread fewer than inline
-        got = None if guards is None else self._copy_indexed(job.op, job.indexed, _NO_LIMIT, *guards,
-                                                              memcopy.BACKGROUND_THREADS)
+        got = None if guards is None else _held(job.peer, self._copy_indexed, job.op, job.indexed, _NO_LIMIT,
+                                                 *guards, memcopy.BACKGROUND_THREADS)
         if got is not None and self._copied(got, job.op, job.peer, guards[2]):
             return True
         job.lrows, job.rrows = lp.descs.array[li], rp.descs.array[ri]
@@ -734,14 +754,16 @@ class HostBackend(Backend):
             return False
         read = job.op is Op.READ
         mapped = job.rmapped
+        if mapped is None and not peer.cma_ok:
+            return False
         try:
             if mapped is not None:
                 src, dst = (mapped, local[:, 0]) if read else (local[:, 0], mapped)
-                memops.memcopy(dst, src, local[:, 1])
-            elif peer.cma_ok:
-                memops.cma(not read, peer.md.pid, local, job.rrows[:, :2])
+                copied = _held(peer, memops.memcopy, dst, src, local[:, 1])
             else:
-                return False
+                copied = _held(peer, memops.cma, not read, peer.md.pid, local, job.rrows[:, :2])
+            if copied is None:
+                return False  # it is deregistering: its server judges
         except OSError as e:
             if e.errno in (errno.EPERM, errno.ENOSYS):
                 peer.cma_ok = False  # the kernel forbids it here; tcp from now on
@@ -855,8 +877,14 @@ class HostBackend(Backend):
         for job in self._xfers.values():
             job.finish(XferState.err(TransferError("backend closed")))
         for p in self._peers.values():
-            p.lane.submit(p.close)
+            try:
+                p.lane.submit(p.close)  # its sockets belong to its lane's thread
+                there = True
+            except RuntimeError:  # at interpreter exit pools take no work: close it here once the lane is idle
+                there = False
             p.lane.pool.shutdown(wait=True)  # queued jobs are already ERR and return at once
+            if not there:
+                p.close()
         self._local.pool.shutdown(wait=True)
         _LIVE.pop(self._server.endpoint, None)
         self._server.close()
