@@ -35,6 +35,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
+import numpy as np
+
 from ..auth import Secret
 from ..errors import InvalidArgument
 from .config import ConnectorConfig
@@ -118,7 +120,7 @@ class ConnectorScheduler:
         self._to_save: dict[str, list[int]] = {}
         self._to_send: dict[str, float] = {}
         self._loading: set[str] = set()
-        self._saved: dict[str, int] = {}  # host staging: blocks of each prefill request saved so far
+        self._saved: dict[str, np.ndarray] = {}  # host staging: each prefill request's blocks so far
         self._spent = _Spent()
 
     def set_worker_endpoints(self, endpoints: Mapping[int, str]) -> None:
@@ -186,17 +188,16 @@ class ConnectorScheduler:
         params, req_id = request.kv_transfer_params, request.request_id
         if params and not params.get("do_remote_prefill") and params.get("do_remote_decode"):
             if self.config.staging and len(block_ids):
-                # blocks saved before stay as they were, except the last one, which may have grown
-                start = max(self._saved.get(req_id, 0) - 1, 0)
-                self._to_save[req_id] = list(dict.fromkeys([*self._to_save.get(req_id, ()), *block_ids[start:]]))
-                self._saved[req_id] = len(block_ids)
+                self._stage(req_id, np.asarray(block_ids, np.int64))
             return
         p = self._source(request)
         if p is None:
             return
         end = self._end_block(request, p)
         start = end - -(-max(num_external_tokens, 0) // self.config.kv.block_size)  # ceil: a partial block is re-read
-        if len(block_ids) < end or start < 0:
+        # nothing to load (a prefix hit, or vLLM computing it itself, e.g. for
+        # prompt_logprobs, chunk by chunk): no blocks needed, only the notification
+        if start < end and (len(block_ids) < end or start < 0):
             raise InvalidArgument(f"request {request.request_id!r}: {num_external_tokens} tokens to load need "
                                   f"blocks {max(start, 0)}..{end - 1}, got {len(block_ids)} blocks")
         params["do_remote_prefill"] = False  # one transfer per request
@@ -204,6 +205,25 @@ class ConnectorScheduler:
             params["do_remote_decode"] = False  # a decode request (see above), never held as a prefill
         if p.remote_block_ids:
             self._recv(request.request_id, p, list(block_ids[start:end]), p.remote_block_ids[start:end])
+
+    def _stage(self, req_id: str, ids: np.ndarray) -> None:
+        """Host staging: save the blocks of ``ids`` this step fills.  Blocks
+        saved before stay as they were, except the last one, which may have
+        grown; a request resumed after preemption has new blocks from the
+        first that differs (the ones before it are prefix-cache hits)."""
+        before = self._saved.get(req_id)
+        pending = self._to_save.get(req_id, [])
+        if before is None:
+            start = 0
+        else:
+            n = min(len(before), len(ids))
+            differ = np.flatnonzero(before[:n] != ids[:n])
+            if len(differ):  # preempted: its old blocks may be another request's by now
+                start, pending = int(differ[0]), []
+            else:
+                start = max(len(before) - 1, 0)
+        self._to_save[req_id] = list(dict.fromkeys([*pending, *ids[start:].tolist()]))
+        self._saved[req_id] = ids
 
     def _recv(self, req_id: str, p: TransferParams, local: list[int], remote: list[int]) -> None:
         until = p.expires_at if p.expires_at is not None else time.time() + self.config.abort_request_timeout

@@ -18,7 +18,7 @@ Importing this module without vLLM raises ``IntegrationUnavailable``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import require
@@ -51,9 +51,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class KvtConnectorMetadata(KVConnectorMetadata):
-    """One step's ``ConnectorMetadata``, msgpack-encoded."""
+    """One step's ``ConnectorMetadata``, msgpack-encoded; and the requests
+    whose load could not even start (request id -> the blocks it would have
+    written), which every worker reports as failed receives."""
 
     payload: bytes
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,6 +69,13 @@ class KvtHandshakeMetadata(KVConnectorHandshakeMetadata):
 
 #: how a prefill request may end and still hand its blocks off (by name: vLLM's RequestStatus)
 HANDOFF_STATUSES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+#: characters of a request's kv_transfer_params quoted in a log line (an HTTP client sends any size)
+LOGGED_PARAMS_CHARS = 512
+
+
+def _quoted(params: Any) -> str:
+    text = repr(params)
+    return text if len(text) <= LOGGED_PARAMS_CHARS else f"{text[:LOGGED_PARAMS_CHARS]}... ({len(text)} characters)"
 
 
 class KvtConnector(KVConnectorBase_V1, SupportsHMA):
@@ -90,6 +100,8 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
         # failed receives and the worker's expired sends so far (worker side)
         self._malformed = self._failed = self._expired_seen = 0
         self._staged: dict[str, tuple[Any, list[int]]] = {}  # prefill requests whose blocks are host-staged
+        self._failed_loads: dict[str, list[int]] = {}  # scheduler: loads that could not start, for the next step
+        self._failed_reported: set[int] = set()  # worker: their blocks, for get_block_ids_with_load_errors
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(connector_config(vllm_config))
 
@@ -112,29 +124,62 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except InvalidArgument as e:  # a bad request must not stop the engine: prefill it here instead
-            log.error("request %s: REFUSED its kv_transfer_params %r: %s; the decode engine computes the whole "
+            log.error("request %s: REFUSED its kv_transfer_params %s: %s; the decode engine computes the whole "
                       "prompt itself (fix the router that sends them)", request.request_id,
-                      request.kv_transfer_params, e)
+                      _quoted(request.kv_transfer_params), e)
             self._malformed += 1
             request.kv_transfer_params = None
             return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        ids = list(blocks.get_block_ids()[0])  # one group (see __init__)
-        self._scheduler.update_state_after_alloc(request, ids, num_external_tokens)
+        groups = blocks.get_block_ids()
+        ids = list(groups[0]) if groups else []  # one group (see __init__)
+        try:
+            self._scheduler.update_state_after_alloc(request, ids, num_external_tokens)
+        except InvalidArgument as e:  # never into vLLM's step, which it would kill
+            self._not_loading(request, ids, num_external_tokens, e)
+            return
         if self._scheduler.config.staging and (request.kv_transfer_params or {}).get("do_remote_decode"):
             self._staged[request.request_id] = (request, ids)
+
+    def _not_loading(self, request: Any, ids: list[int], num_external_tokens: int, why: Exception) -> None:
+        """``update_state_after_alloc`` found nothing it can read into ``ids``.
+
+        With no tokens to load vLLM computes the request itself — e.g. one
+        asking for ``prompt_logprobs`` (vLLM skips cached KV for those) whose
+        long prompt it allocates chunk by chunk: the prefill side is told to
+        free its blocks, as after a full prefix hit.  A request vLLM parked
+        for a load (``num_external_tokens > 0``) is reported by every worker
+        as a failed receive, with the blocks that load would have written,
+        so vLLM fails or recomputes it (``kv_load_failure_policy``) instead
+        of waiting for it for good."""
+        req_id = request.request_id
+        if num_external_tokens > 0:
+            log.error("request %s: its KV load cannot start: %s; it fails as a failed load", req_id, why)
+            need = -(-num_external_tokens // self._scheduler.config.kv.block_size)
+            self._failed_loads[req_id] = ids[max(len(ids) - need, 0):]
+        else:
+            log.info("request %s: vLLM computes it without its prefill engine's KV (%s)", req_id, why)
+        if (request.kv_transfer_params or {}).get("do_remote_prefill"):
+            # one hand-off per request: what a request that ended before its read was scheduled does
+            self._scheduler.request_finished(request, [], aborted=False)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         # vLLM calls update_state_after_alloc once; later chunks of a staged prefill
         # arrive as new blocks of a scheduled request, and must be staged too
+        # (a request resumed after preemption gets its whole new block list instead)
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        resumed = getattr(cached, "resumed_req_ids", ())
         for req_id, new in zip(getattr(cached, "req_ids", ()), getattr(cached, "new_block_ids", ())):
             if req_id in self._staged and new:
                 request, ids = self._staged[req_id]
-                ids.extend(new[0])
+                if req_id in resumed:
+                    ids[:] = new[0]
+                else:
+                    ids.extend(new[0])
                 self._scheduler.update_state_after_alloc(request, ids, 0)
-        return KvtConnectorMetadata(self._scheduler.build_connector_meta().encode())
+        failed, self._failed_loads = self._failed_loads, {}
+        return KvtConnectorMetadata(self._scheduler.build_connector_meta().encode(), failed)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler.update_connector_output(connector_output.finished_sending or (),
@@ -210,6 +255,7 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(meta, KvtConnectorMetadata):
             raise InvalidArgument(f"expected KvtConnectorMetadata from the scheduler, got {type(meta).__name__}")
         self._worker.start_load_kv(ConnectorMetadata.decode(meta.payload))
+        self._failed_loads.update(meta.failed_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Whole requests load before they run; nothing to wait for per layer."""
@@ -227,7 +273,15 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id, why in failed.items():
             log.warning("request %s: loading its KV from the prefill engine failed: %s", req_id, why)
         self._failed += len(failed)
-        return sending, recving, set(failed) & recving
+        failed_recving = set(failed) & recving
+        if self._failed_loads:  # loads the scheduler could not start (logged there)
+            for ids in self._failed_loads.values():
+                self._failed_reported.update(ids)
+            self._failed += len(self._failed_loads)
+            recving |= set(self._failed_loads)
+            failed_recving |= set(self._failed_loads)
+            self._failed_loads = {}
+        return sending, recving, failed_recving
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _ = self._results()
@@ -259,8 +313,17 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
         return None if stats.is_empty() else stats
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors()
+        out, self._failed_reported = self._worker.get_block_ids_with_load_errors() | self._failed_reported, set()
+        return out
 
     def shutdown(self) -> None:
+        """Release the worker's transfers, peers and registrations.  Never
+        raises into vLLM's teardown (which stops at the first exception): at
+        interpreter exit, where vLLM's finalizer may call it, thread pools
+        refuse new work and a backend's close can fail."""
         if self._worker is not None:
-            self._worker.shutdown()
+            try:
+                self._worker.shutdown()
+            except Exception as e:
+                log.warning("shutting down the kvt connector worker %s: %s: %s", self._worker.consumer,
+                            type(e).__name__, e)

@@ -316,6 +316,19 @@ def test_decode_prefix_hits():
     assert (meta["full"].local_block_ids, meta["full"].remote.block_ids) == ([], [])
 
 
+def test_nothing_to_load_needs_no_blocks():
+    """vLLM computes a request itself (prompt_logprobs) and allocates its
+    long prompt chunk by chunk: fewer blocks than the prefill side offers,
+    nothing to load.  Only the notification that frees the prefill side."""
+    _, (_, params) = prefill_params([20, 21, 22, 23])
+    sched = ConnectorScheduler(config("d"))
+    req = EngineRequest("chunked", 16, dict(params))
+    sched.update_state_after_alloc(req, [1, 2], 0)
+    recv = sched.build_connector_meta().reqs_to_recv["chunked"]
+    assert (recv.local_block_ids, recv.remote.block_ids) == ([], [])
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+
+
 def test_params_are_used_once():
     """A second request with the same params (a retry, a replay) is refused:
     the prefill engine frees the blocks after the first read or release."""
@@ -387,6 +400,12 @@ def test_prefill_staging_copies_the_blocks_each_step_fills():
     assert sched.build_connector_meta().reqs_to_save == {"r": [4, 9, 2]}
     sched.request_finished(req, [3, 4, 9, 2])
     assert sched.outstanding()["saving"] == 0
+    # preempted and resumed: new blocks from the first that differs (3 is a prefix-cache hit)
+    sched.update_state_after_alloc(req, [3, 4, 9, 2], 0)
+    sched.update_state_after_alloc(req, [3, 7, 8], 0)
+    assert sched.build_connector_meta().reqs_to_save == {"r": [7, 8]}
+    sched.update_state_after_alloc(req, [5, 6], 0)
+    assert sched.build_connector_meta().reqs_to_save == {"r": [5, 6]}
     unstaged = ConnectorScheduler(config("p", side_channel_port=7000))
     unstaged.update_state_after_alloc(req, [3, 4], 0)
     assert unstaged.build_connector_meta().reqs_to_save == {}

@@ -69,9 +69,10 @@ class Engine:
         return value
 
     def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None,
-                 timeout: float = 120.0) -> list[dict]:
-        """Greedy outputs: ``{"tokens", "finish_reason", "kv_transfer_params"}`` per prompt."""
-        return self.call("generate", prompts, max_tokens, params, timeout=timeout)
+                 timeout: float = 120.0, sampling: dict | None = None) -> list[dict]:
+        """Greedy outputs: ``{"tokens", "finish_reason", "kv_transfer_params"}`` per prompt
+        (``sampling``: more ``SamplingParams`` arguments for every prompt)."""
+        return self.call("generate", prompts, max_tokens, params, sampling, timeout=timeout)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -112,6 +113,10 @@ def _child(address: str) -> None:
                 value = _abort_after(llm, *args)
             elif op == "scheduler":
                 value = _scheduler_state(llm)
+            elif op == "start":
+                value = _start(llm, *args)
+            elif op == "shutdown":
+                value = _shutdown(llm)
             else:
                 raise ValueError(f"unknown op {op!r}")
             conn.send((True, value))
@@ -128,12 +133,13 @@ def _make_llm(**args: Any):
                   "disable_log_stats": False, **args})
 
 
-def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None) -> list[dict]:
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None,
+              sampling: dict | None = None) -> list[dict]:
     """Each output also carries ``seconds``: the whole batch's time in this process."""
     from vllm import SamplingParams
 
     sps = [SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
-                          extra_args={"kv_transfer_params": p} if p is not None else None)
+                          extra_args={"kv_transfer_params": p} if p is not None else None, **(sampling or {}))
            for p in (params or [None] * len(prompts))]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
@@ -167,6 +173,23 @@ def _abort_after(llm: Any, prompts: list[list[int]], max_tokens: int, params: li
     return [last.get(rid) for rid in ids]
 
 
+def _start(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict | None], seconds: float) -> int:
+    """Add the requests and step the engine for ``seconds``, then return
+    (leaving them in flight): how many are unfinished."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"start-{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
+            extra_args={"kv_transfer_params": p} if p is not None else None))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        engine.step()
+        time.sleep(0.01)
+    return engine.get_num_unfinished_requests()
+
+
 def _scheduler_state(llm: Any) -> dict:
     """What the engine core's scheduler holds: requests it still tracks and
     free KV blocks (needs the engine core in this process, as here)."""
@@ -174,6 +197,20 @@ def _scheduler_state(llm: Any) -> dict:
     pool = sched.kv_cache_manager.block_pool
     return {"requests": len(sched.requests), "free_blocks": pool.get_num_free_blocks(),
             "blocks": pool.num_gpu_blocks}
+
+
+def _shutdown(llm: Any) -> dict:
+    """Shut the engine core down as vLLM does at exit (its worker's connector
+    included, which needs the worker in this process, as with one TP rank):
+    how long that took and what the kvt worker held afterwards."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()._worker
+    held = worker.outstanding()
+    t0 = time.monotonic()
+    llm.llm_engine.engine_core.shutdown()
+    return {"seconds": time.monotonic() - t0, "before": held, "after": worker.outstanding(),
+            "closed": worker._closed and worker.agent._closed}
 
 
 def _metrics(llm: Any) -> list[tuple[str, Any]]:

@@ -91,3 +91,24 @@ def test_resumed_prefill_engine_serves_again(engines):
     assert [o["tokens"] for o in decode.generate(PROMPTS, MAX_TOKENS, _handed(prefill, PROMPTS))] == expected
     assert [o["tokens"] for o in decode.generate(PROMPTS, MAX_TOKENS)] == expected
     assert decode.call("scheduler")["requests"] == 0
+
+
+def test_shutdown_with_reads_in_flight_is_bounded(engines):
+    """Runs last: shuts the decode engine down as vLLM does at exit while its
+    reads stall on a stopped prefill engine.  Shutdown returns in bounded
+    time, releases every transfer and closes the worker's agent (its
+    registrations with it)."""
+    prefill, decode, expected = engines
+    assert [o["tokens"] for o in decode.generate(PROMPTS[:1], MAX_TOKENS, _handed(prefill, PROMPTS[:1]))] \
+        == expected[:1]  # handshake done: the reads below are posted in their first step
+    handed = _handed(prefill, PROMPTS[1:3])
+    prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert decode.call("start", PROMPTS[1:3], MAX_TOKENS, handed, 1.0) == 2  # reads stalled
+        t0 = time.monotonic()
+        out = decode.call("shutdown", timeout=TRANSFER_TIMEOUT + 60)
+        assert out["before"]["transfers"] >= 1, out  # it did shut down with reads in flight
+        assert time.monotonic() - t0 < TRANSFER_TIMEOUT + 10, out
+        assert out["closed"] and out["after"]["transfers"] == 0, out
+    finally:
+        prefill.proc.send_signal(signal.SIGCONT)

@@ -40,6 +40,7 @@ BLOCK_BYTES = 2 * LAYERS * BLOCK * KV_HEADS * (HIDDEN // HEADS) * 4  # K and V, 
 _rng = random.Random(5)
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (BLOCK - 1, BLOCK, 3 * BLOCK + 2, 7 * BLOCK + 31,
                                                                   5 * BLOCK, 11 * BLOCK + 1)]
+CHUNK = 8 * BLOCK  # --max-num-batched-tokens: longer prompts are prefilled in chunks
 
 
 def _free_port() -> int:
@@ -62,7 +63,7 @@ class Server:
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
              "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--dtype", "float32",
              "--block-size", str(BLOCK), "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
-             "--max-num-seqs", "8", "--kv-transfer-config", json.dumps(config)],
+             "--max-num-seqs", "8", "--max-num-batched-tokens", str(CHUNK), "--kv-transfer-config", json.dumps(config)],
             env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self) -> None:
@@ -77,9 +78,9 @@ class Server:
                 time.sleep(1)
         raise TimeoutError(f"server {self.name} not ready after {START_TIMEOUT}s; see {self.log}")
 
-    def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None = None) -> dict:
+    def complete(self, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None = None, **more) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}
+                "return_token_ids": True, **more}
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=json.dumps(body).encode(),
@@ -157,6 +158,30 @@ def test_forged_params_are_computed_locally_not_read(servers):
     # the real params are still good: decode now holds the prompt (prefix cache), so it only
     # tells the prefill engine to free
     decode.complete(prompt, 1, params)
+
+
+def test_hostile_params_over_http_never_stop_the_server(servers):
+    """What any HTTP client may send: params that are junk, huge, nested or
+    wrongly typed, and good params on a request vLLM computes itself
+    (``prompt_logprobs``) whose prompt it prefills in chunks — that one used
+    to kill the decode server's engine core.  Every request is answered with
+    the locally computed tokens, and the server keeps serving."""
+    prefill, decode = servers
+    rng = random.Random(23)
+    prompt = [rng.randrange(3, 512) for _ in range(CHUNK + 3 * BLOCK + 5)]
+    plain = prefill.complete(prompt, MAX_TOKENS)["choices"][0]["token_ids"]
+    good = prefill.complete(prompt, 1, {"do_remote_decode": True})["kv_transfer_params"]
+    out = decode.complete(prompt, MAX_TOKENS, good, prompt_logprobs=1)
+    assert out["choices"][0]["token_ids"] == plain
+    assert out["choices"][0]["prompt_logprobs"]
+    refused = decode.metric("vllm:kvt_num_malformed_params_total")
+    hostile = [{**good, "remote_block_ids": [-1] * 3}, {**good, "remote_block_ids": [1] * 200_000 + ["x"]},
+               {**good, "tp_size": [[[[{"a": None}]]]]}, {**good, "remote_endpoints": ["tcp://h:99999"]},
+               {**good, "kvt_mac": None, "remote_request_id": "r" * 5000}, {**good, "expires_at": 1e300}]
+    for params in hostile + [{"do_remote_prefill": True}, {"junk": {"x": [[]]}}]:  # the last two: nothing to read
+        assert decode.complete(prompt, MAX_TOKENS, params)["choices"][0]["token_ids"] == plain, params
+    assert decode.metric("vllm:kvt_num_malformed_params_total") == refused + len(hostile)
+    assert _proxy(prefill, decode, PROMPTS[4])[1] == prefill.complete(PROMPTS[4], MAX_TOKENS)["choices"][0]["token_ids"]
 
 
 def test_servers_stop_cleanly_on_sigterm(servers):
