@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Mapping
 
@@ -103,16 +104,35 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 MAX_KEY_FILE_BYTES = 65536  # a key file is a line of text: /dev/zero or a huge file must not be read whole
+MAX_CONFIG_FILE_BYTES = 1 << 20  # a TOML file of settings; more is a mistake (or /dev/zero)
+
+
+def _read_bounded(path: str | os.PathLike, limit: int) -> bytes:
+    """At most ``limit`` bytes of the file at ``path``; ``OSError`` or ``ValueError`` saying why not.
+
+    Opened without blocking: a named pipe (or socket) nobody writes to would
+    block ``open`` for ever, so only regular files and character devices
+    (``/dev/null``) are read, and more than ``limit`` bytes is refused."""
+    fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ValueError("it is a directory")
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            raise ValueError("not a regular file (a named pipe or socket would block); give a file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise ValueError(f"longer than {limit} bytes")
+    return raw
 
 
 def _read_key(path: str) -> str:
     try:
-        with open(Path(path).expanduser(), "rb") as f:
-            raw = f.read(MAX_KEY_FILE_BYTES + 1)
-        if len(raw) > MAX_KEY_FILE_BYTES:
-            raise ValueError(f"cannot read auth_key_file {path}: longer than {MAX_KEY_FILE_BYTES} bytes")
-        return raw.decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
+        return _read_bounded(path, MAX_KEY_FILE_BYTES).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"cannot read auth_key_file {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
@@ -128,12 +148,19 @@ def _unknown(key: str, source: str, valid: tuple[str, ...]) -> ConfigError:
 
 def _read_toml(path: str | os.PathLike, source: str) -> dict[str, Any]:
     try:
-        with open(Path(path).expanduser(), "rb") as f:
-            return tomllib.load(f)
+        text = _read_bounded(path, MAX_CONFIG_FILE_BYTES).decode("utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {source}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {source} is not UTF-8 text: {e}") from None
+    except ValueError as e:  # not a regular file, too long, or a NUL in the path
+        raise ConfigError(f"cannot read config file {source}: {e}") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {source} is not valid TOML: {e}") from e
+    except RecursionError:  # tomllib parses nested arrays and tables recursively
+        raise ConfigError(f"config file {source} is not valid TOML: its values nest too deeply") from None
 
 
 def _split_file(data: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -162,6 +189,20 @@ def _check(field: str, value: Any, source: str) -> None:
             value = {**value, _SECRET_FIELDS[0]: "***"}
         shown = "***" if field in _SECRET_FIELDS else repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise ConfigError(f"invalid {field} = {shown} from {source}: {why}") from e
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _flag(var: str, raw: Any) -> Any:
+    """An on/off environment variable; anything else is refused (a typo must not turn a check off)."""
+    if not isinstance(raw, str):
+        return raw  # only a test's env mapping holds non-strings; validation names it
+    word = raw.strip().lower()
+    if word in _ON + _OFF:
+        return word in _ON
+    raise ConfigError(f"environment variable {var}={raw!r} is neither on ({', '.join(_ON)}) "
+                      f"nor off ({', '.join(_OFF)})")
 
 
 def _as_dict(options: Any) -> Any:
@@ -199,7 +240,7 @@ def load_config(backend: str | None = None, options: Mapping[str, Any] | None = 
     if env.get(ENV_BACKEND):
         values["backend"], sources["backend"] = env[ENV_BACKEND], f"environment variable {ENV_BACKEND}"
     if env.get(ENV_INTEGRITY):
-        values["integrity"] = env[ENV_INTEGRITY].strip().lower() in ("1", "true", "yes", "on")
+        values["integrity"] = _flag(ENV_INTEGRITY, env[ENV_INTEGRITY])
         sources["integrity"] = f"environment variable {ENV_INTEGRITY}"
     if env.get(ENV_AUTH_KEY) or env.get(ENV_AUTH_KEY_FILE):  # the environment replaces the file's key
         values.pop("auth_key", None), values.pop("auth_key_file", None)

@@ -11,6 +11,7 @@ checks that no other block was touched).
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import time
@@ -21,6 +22,7 @@ import numpy as np
 
 from .config import Config
 from .errors import KvtError
+from .procs import die_with_parent
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
@@ -65,25 +67,29 @@ def expected_layer(spec: DemoSpec, layer: int):
     return torch.randn(spec.shape, generator=g).to(getattr(torch, spec.dtype))
 
 
-def _prefill(spec: DemoSpec, out: mp.Queue, done: mp.Event) -> None:
-    from .agent import Agent
-
+def _prefill(spec: DemoSpec, out: mp.Queue, done, parent: int) -> None:
+    die_with_parent(parent)
     try:
+        from .agent import Agent
+
         with Agent(name="prefill", config=spec.config) as agent:
             agent.register_blocks("kv", kv_cache(spec, fill=True))
             out.put(("endpoint", agent.listen()))
             agent.wait_notif("decode", timeout=spec.timeout, match=b"finished")
-            done.wait(spec.timeout)
-    except KvtError as e:
+            deadline = time.monotonic() + spec.timeout
+            while not done.value and time.monotonic() < deadline:
+                time.sleep(0.01)
+    except Exception as e:  # the process boundary: the parent reports it in one line (no traceback)
         out.put(("error", f"prefill: {type(e).__name__}: {e}"))
 
 
-def _decode(spec: DemoSpec, endpoint: str, out: mp.Queue) -> None:
-    import torch
-
-    from .agent import Agent
-
+def _decode(spec: DemoSpec, endpoint: str, out: mp.Queue, parent: int) -> None:
+    die_with_parent(parent)
     try:
+        import torch
+
+        from .agent import Agent
+
         with Agent(name="decode", config=spec.config) as agent:
             cache = kv_cache(spec, fill=False)
             agent.register_blocks("kv", cache)
@@ -111,7 +117,7 @@ def _decode(spec: DemoSpec, endpoint: str, out: mp.Queue) -> None:
                 bad += int(got_u8[torch.from_numpy(untouched)].count_nonzero())
             out.put(("result", {"blocks": spec.request_blocks * spec.layers, "bytes": nbytes,
                                 "latencies": lat, "mismatched_bytes": bad}))
-    except KvtError as e:
+    except Exception as e:  # the process boundary, as in _prefill
         out.put(("error", f"decode: {type(e).__name__}: {e}"))
 
 
@@ -135,17 +141,18 @@ def _expect(q: mp.Queue, kind: str, timeout: float, procs):
 def run(spec: DemoSpec, echo=print) -> dict:
     """Run the demo; returns the decode side's result.  Raises ``KvtError``."""
     ctx = mp.get_context("spawn")
-    q, done = ctx.Queue(), ctx.Event()
-    pre = ctx.Process(target=_prefill, args=(spec, q, done), name="prefill", daemon=True)
+    # done: a shared byte, not an Event, whose set() would wait for ever on a killed waiter
+    q, done = ctx.Queue(), ctx.Value("b", 0, lock=False)
+    pre = ctx.Process(target=_prefill, args=(spec, q, done, os.getpid()), name="prefill", daemon=True)
     procs = [pre]
     try:
         pre.start()
         endpoint = _expect(q, "endpoint", spec.timeout, procs)
-        dec = ctx.Process(target=_decode, args=(spec, endpoint, q), name="decode", daemon=True)
+        dec = ctx.Process(target=_decode, args=(spec, endpoint, q, os.getpid()), name="decode", daemon=True)
         procs.append(dec)
         dec.start()
         result = _expect(q, "result", spec.timeout, procs)
-        done.set()
+        done.value = 1
         for p in procs:
             p.join(10)
     finally:

@@ -7,9 +7,11 @@ or zombie peer reads -1, and a reused pid has another start time).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 
-__all__ = ["host_id", "start_time"]
+__all__ = ["host_id", "start_time", "die_with_parent"]
 
 
 def host_id() -> str:
@@ -30,3 +32,20 @@ def start_time(pid: int) -> int:
     except (OSError, ValueError, IndexError):
         return -1
     return -1 if state in ("Z", "X") else int(rest[18])
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel end this process (SIGTERM) when ``parent``, the
+    process that started it, dies: a tool's children must not run on, or
+    wait out their timeouts, after their parent was SIGKILLed.  Call it
+    first thing in the child, from the thread that will run it, with the
+    parent's pid as the parent saw it (a parent already gone is caught too)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl here: the children's own deadlines still end them
+        return
+    if os.getppid() != parent:  # it died before the kernel was asked
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -16,6 +16,14 @@ entry point asked for.  Every failure is a typed error:
 * the class says it cannot
   run here                    -> ``BackendUnavailable`` (from ``create_backend``)
 
+A plugin that calls ``sys.exit()`` while importing or probing is a load
+failure like any other (it does not end the program).  Errors raised by
+``load_backend`` and ``create_backend`` -- a configuration chose the backend --
+end by naming the other installed backends.  ``probe`` gives up on a plugin
+that has not imported and answered ``availability()`` within ``timeout``
+seconds (``PROBE_TIMEOUT``): it is reported unusable, and the others are
+still listed.
+
 A plugin declares itself in its ``pyproject.toml``::
 
     [project.entry-points."kvt.backends"]
@@ -26,21 +34,27 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata as md
+import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import msgspec
 from stevedore import DriverManager, ExtensionManager
 from stevedore.exception import MultipleMatches, NoMatches
 
 from .backend import Backend
-from .errors import BackendLoadError, BackendNotFound, BackendUnavailable, KvtError
+from .errors import BackendLoadError, BackendNotFound, BackendUnavailable, InvalidArgument, KvtError
 from .types import Availability, Capabilities
 
-__all__ = ["GROUP", "KNOWN", "BackendInfo", "BackendStatus", "list_backends",
+__all__ = ["GROUP", "KNOWN", "PROBE_TIMEOUT", "BackendInfo", "BackendStatus", "list_backends",
            "load_backend", "probe", "create_backend", "install_hint"]
 
 #: the entry-point group every backend plugin declares
 GROUP = "kvt.backends"
+
+#: seconds ``probe`` waits for a plugin to import and answer ``availability()``
+PROBE_TIMEOUT = 30.0
 
 #: backends kvt ships as separate distributions: name -> distribution name
 KNOWN: dict[str, str] = {
@@ -140,28 +154,45 @@ def _load(info: BackendInfo) -> type[Backend]:
     except (NoMatches, MultipleMatches) as e:  # its on-disk cache disagrees with the metadata
         raise BackendLoadError(f"stevedore could not load backend {info.name!r} ({info.value}): {e}; "
                                "its entry-point cache (~/.cache/python-entrypoints) may be stale") from e
+    except SystemExit as e:  # stevedore reports Exceptions only; a plugin calling sys.exit() must not end us
+        failed(None, None, e)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise BackendLoadError(f"backend {info.name!r} ({info.dist} {info.version}): entry point "
                                f"{info.value} is {cls!r}, not a subclass of kvt.Backend")
-    if not isinstance(cls.capabilities, Capabilities):
+    caps = cls.capabilities
+    if not isinstance(caps, Capabilities):
         raise BackendLoadError(f"backend {info.name!r} ({info.dist} {info.version}): {cls.__name__}.capabilities "
-                               f"is {type(cls.capabilities).__name__}, not a kvt.Capabilities")
+                               f"is {type(caps).__name__}, not a kvt.Capabilities")
+    try:  # Capabilities() does not check its fields' types: a set of strings, an unencodable option...
+        msgspec.convert(msgspec.to_builtins(caps), Capabilities)
+    except (msgspec.MsgspecError, TypeError, ValueError) as e:
+        raise BackendLoadError(f"backend {info.name!r} ({info.dist} {info.version}): {cls.__name__}.capabilities "
+                               f"are malformed: {e}") from None
     return cls
+
+
+def _others(name: str) -> str:
+    names = sorted({i.name for i in list_backends()} - {name})
+    return f"Other installed backends: {', '.join(names) or 'none'} (see `kvt backends`)."
+
+
+def _naming_others(err: KvtError, name: str) -> KvtError:
+    """``err`` with the other installed backends named: what a configuration could choose instead."""
+    out = type(err)(f"{err}. {_others(name)}")
+    out.__cause__ = err.__cause__
+    return out
 
 
 def load_backend(name: str) -> type[Backend]:
     """Import backend ``name`` and return its class (not an instance)."""
-    return _load(_find(name))
-
-
-def probe(name: str) -> BackendStatus:
-    """Import backend ``name`` and ask whether it can run here.
-
-    An installed backend that fails to load is reported, not raised: its
-    status is unusable with the reason.  An unknown name raises
-    ``BackendNotFound``; a name declared by several distributions raises
-    ``BackendLoadError``."""
     info = _find(name)
+    try:
+        return _load(info)
+    except BackendLoadError as e:
+        raise _naming_others(e, name) from e.__cause__
+
+
+def _probe(info: BackendInfo) -> BackendStatus:
     try:
         cls = _load(info)
     except BackendLoadError as e:
@@ -169,13 +200,37 @@ def probe(name: str) -> BackendStatus:
     return BackendStatus(info, cls.capabilities, _availability(cls))
 
 
+def probe(name: str, timeout: float = PROBE_TIMEOUT) -> BackendStatus:
+    """Import backend ``name`` and ask whether it can run here.
+
+    An installed backend that fails to load is reported, not raised: its
+    status is unusable with the reason.  So is one that has not imported
+    and answered ``availability()`` within ``timeout`` seconds (a plugin
+    hanging there is left behind in a daemon thread).  An unknown name
+    raises ``BackendNotFound``; a name declared by several distributions
+    raises ``BackendLoadError``."""
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise InvalidArgument(f"probe timeout must be a positive number of seconds, got {timeout!r}")
+    info = _find(name)
+    done: list[BackendStatus] = []
+    worker = threading.Thread(target=lambda: done.append(_probe(info)), name=f"kvt-probe-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if done:
+        return done[0]
+    return BackendStatus(info, None, Availability(
+        False, f"backend {name!r} ({info.dist} {info.version}, {info.value}) did not import and answer "
+               f"availability() within {timeout:g}s: it hangs, or is very slow, on this machine"))
+
+
 def _availability(cls: type[Backend]) -> Availability:
     try:
         avail = cls.availability()
-    except Exception as e:  # a plugin bug must not break listing
+    except (Exception, SystemExit) as e:  # a plugin bug must not break listing, nor end the program
         return Availability(False, f"{cls.__name__}.availability() raised {type(e).__name__}: {e}")
-    if not isinstance(avail, Availability):
-        return Availability(False, f"{cls.__name__}.availability() returned {avail!r}, not an Availability")
+    if not (isinstance(avail, Availability) and isinstance(avail.usable, bool) and isinstance(avail.reason, str)):
+        return Availability(False, f"{cls.__name__}.availability() returned {avail!r}, not an "
+                                   "Availability(usable: bool, reason: str)")
     return avail
 
 
@@ -187,10 +242,11 @@ def create_backend(name: str, agent_name: str, options: Mapping[str, Any] | None
     cls = load_backend(name)
     avail = _availability(cls)
     if not avail.usable:
-        raise BackendUnavailable(f"backend {name!r} cannot run on this machine: {avail.reason}")
+        raise BackendUnavailable(f"backend {name!r} cannot run on this machine: {avail.reason}. {_others(name)}")
     try:
         return cls(agent_name, options)
     except KvtError:
         raise
     except Exception as e:
-        raise BackendUnavailable(f"backend {name!r} failed to start: {type(e).__name__}: {e}") from e
+        raise BackendUnavailable(f"backend {name!r} failed to start: {type(e).__name__}: {e}. "
+                                 f"{_others(name)}") from e

@@ -161,3 +161,67 @@ def test_missing_file_names_the_file(tmp_path):
     path = tmp_path / "absent.toml"
     with pytest.raises(ConfigError, match=rf"cannot read config file {_re(path)} \(from KVT_CONFIG\): No such"):
         load_config(env={"KVT_CONFIG": str(path)})
+
+
+# -- hostile files and variables (audit) -------------------------------------------------------------
+
+def test_file_that_is_not_utf8_names_the_file(toml):
+    path = toml()
+    path.write_bytes(b'backend = "host"\nname = "\xff\xfe"\n')
+    with pytest.raises(ConfigError, match=rf"config file {_re(path)} is not UTF-8 text"):
+        load_config(path=path, env={})
+
+
+def test_deeply_nested_file_is_a_config_error(toml):
+    path = toml("x = " + "[" * 100_000 + "]" * 100_000 + "\n")  # before: RecursionError escaped
+    with pytest.raises(ConfigError, match=rf"config file {_re(path)} is not valid TOML: .*nest"):
+        load_config(path=path, env={})
+
+
+def _load_in_child(tmp_path, **env):
+    """load_config() in a child with 2 GiB of address space (so an unbounded read fails fast instead
+    of eating the machine) and a 30 s limit (a blocking open is a hang, not a test run that never ends)."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+            "from kvt.config import load_config\nfrom kvt import KvtError\n"
+            "try:\n    load_config()\nexcept KvtError as e:\n    print(type(e).__name__, e)\n")
+    import os
+    import subprocess
+    import sys
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                              cwd=tmp_path, env={**os.environ, **env})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"load_config() with {env} blocked for 30 s")
+
+
+@pytest.mark.parametrize("var", ["KVT_CONFIG", "KVT_AUTH_KEY_FILE"])
+def test_named_pipe_is_refused_not_waited_on(tmp_path, var):
+    import os
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no writer: open() for reading would block for ever
+    r = _load_in_child(tmp_path, **{var: str(fifo)})
+    assert r.returncode == 0 and r.stdout.startswith("ConfigError ") and "not a regular file" in r.stdout, r
+    assert str(fifo) in r.stdout
+
+
+def test_endless_config_file_is_refused(tmp_path):
+    r = _load_in_child(tmp_path, KVT_CONFIG="/dev/zero")  # before: read until memory ran out
+    assert r.returncode == 0 and r.stdout.startswith("ConfigError ") and "/dev/zero" in r.stdout, r
+    assert "longer than" in r.stdout
+
+
+def test_dev_null_still_reads_as_an_empty_file():
+    assert load_config(env={"KVT_CONFIG": "/dev/null"}).backend == "host"
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), (" Yes ", True), ("on", True),
+                                       ("0", False), ("false", False), ("no", False), ("OFF", False)])
+def test_integrity_variable_values(value, on):
+    assert load_config(env={"KVT_INTEGRITY": value}).integrity is on
+
+
+@pytest.mark.parametrize("value", ["maybe", "tru", "2", "enable"])
+def test_unrecognised_integrity_variable_is_refused(value):
+    # before: anything but 1/true/yes/on silently meant off -- a typo disabled the checks
+    with pytest.raises(ConfigError, match=rf"KVT_INTEGRITY.*{value!r}.*1, true, yes, on.*0, false, no, off"):
+        load_config(env={"KVT_INTEGRITY": value})

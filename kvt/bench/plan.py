@@ -32,6 +32,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from ..config import MAX_SECONDS
 from ..errors import InvalidArgument
 from ..types import Op
 
@@ -197,6 +198,8 @@ def make_plan(quick: bool = False, *, groups: Sequence[str] = GROUPS, ops: Seque
         ops = [Op(o.upper() if isinstance(o, str) else o) for o in ops]
     except ValueError:
         raise InvalidArgument(f"ops must be READ and/or WRITE, got {list(ops)}") from None
+    if not ops:
+        raise InvalidArgument("ops must be READ and/or WRITE, got none")
     blocks, batches = _positive(s["blocks"], "block sizes"), _positive(s["batches"], "batch sizes")
     ib, ibatch = (int(v) for v in s["inflight_shape"])
     scale_block = int(s["scale_block"])
@@ -214,11 +217,14 @@ def make_plan(quick: bool = False, *, groups: Sequence[str] = GROUPS, ops: Seque
                   for n in _positive(s["scale"], "scaling block counts") for op in ops[:s["scaling_ops"]]]
     if not cases:
         raise InvalidArgument(f"the plan is empty: no block size x batch fits max_bytes={s['max_bytes']}")
-    for name in ("budget", "timeout"):
-        if name in s and not s[name] > 0:
-            raise InvalidArgument(f"{name} must be a positive number of seconds, got {s[name]}")
-    if s["warmup"] < 0 or s["min_iters"] < 1:
-        raise InvalidArgument(f"warmup must be >= 0 and min_iters >= 1, got {s['warmup']}, {s['min_iters']}")
+    for name in ("budget", "timeout"):  # finite: an endless wait is no measurement (and inf is no JSON)
+        if name in s and not 0 < s[name] <= MAX_SECONDS:
+            raise InvalidArgument(f"{name} must be a positive number of seconds, at most {MAX_SECONDS:g}, "
+                                  f"got {s[name]}")
+    max_iters = s.get("max_iters", Plan.max_iters)
+    if not (0 <= s["warmup"] <= max_iters and 1 <= s["min_iters"] <= max_iters):
+        raise InvalidArgument(f"warmup must be in 0..{max_iters} and min_iters in 1..{max_iters} (max_iters), "
+                              f"got {s['warmup']}, {s['min_iters']}")
     if s.get("rotate", 0) < 0:
         raise InvalidArgument(f"rotate must be a size >= 0 (0: the same blocks every iteration), got {s['rotate']}")
     timing = {k: s[k] for k in ("budget", "warmup", "min_iters", "max_iters", "timeout", "rotate") if k in s}

@@ -4,6 +4,7 @@ the JSON document and the bandwidth plot.  Rows are those of ``stats``."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from pathlib import Path
@@ -151,8 +152,20 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     Path(path).write_text(text.rstrip("\n") + "\n")
 
 
+def _finite(x):
+    """``x`` with every non-finite float replaced by None: JSON has no Infinity or NaN."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def write_json(path: str | os.PathLike, doc: dict) -> None:
-    write_text(path, json.dumps(doc, indent=1))
+    """``doc`` as strict JSON (a non-finite number, e.g. the bandwidth of a zero latency, is null)."""
+    write_text(path, json.dumps(_finite(doc), indent=1, allow_nan=False))
 
 
 def plot(rows: Sequence[dict], path: str | os.PathLike, engines: Sequence[str]) -> None:

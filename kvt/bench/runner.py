@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from ..config import Config
 from ..errors import BackendUnavailable
+from ..procs import die_with_parent
 from .plan import Plan
 from .timing import measure
 
@@ -64,13 +65,21 @@ def _redirect_output(log: str) -> None:
 def _serve_until_stopped(stop, parent: int, poll: Callable[[], object]) -> None:
     """The target's loop: ``poll`` (its notifications) every millisecond, as
     an engine's step loop would; that also progresses backends without a
-    progress thread of their own.  Ends when told, or when the parent is gone."""
+    progress thread of their own.  Ends when told, or when the parent is gone.
+
+    ``stop`` is a shared byte without a lock, not a ``multiprocessing.Event``:
+    a target killed while waiting on an Event still counts as its sleeper,
+    and ``Event.set()`` then waits for ever for it to wake."""
     deadline = time.monotonic() + _MAX_LIFETIME
-    while not stop.wait(_POLL) and os.getppid() == parent and time.monotonic() < deadline:
+    while True:
+        time.sleep(_POLL)
+        if stop.value or os.getppid() != parent or time.monotonic() >= deadline:
+            return
         poll()
 
 
 def _child(role: str, spec: EngineSpec, plan: Plan, info: Any, q, stop, log: str, parent: int) -> None:
+    die_with_parent(parent)
     _redirect_output(log)
     try:
         mod = importlib.import_module(KINDS[spec.kind])
@@ -142,7 +151,7 @@ def run_engine(spec: EngineSpec, plan: Plan, on_row: Callable[[dict], None] | No
     stall = stall or plan.timeout * (plan.warmup + plan.min_iters + 1) + plan.budget + 60
     serves = importlib.import_module(KINDS[spec.kind]).serve is not None
     ctx = mp.get_context("spawn")
-    q, stop = ctx.Queue(), ctx.Event()
+    q, stop = ctx.Queue(), ctx.Value("b", 0, lock=False)
     logdir = Path(tempfile.mkdtemp(prefix="kvt-bench-"))
     logs: dict[str, Path] = {}
     procs: list = []
@@ -172,7 +181,7 @@ def run_engine(spec: EngineSpec, plan: Plan, on_row: Callable[[dict], None] | No
     except _Failed as f:
         out.status, out.reason = f.status, f.reason
     finally:
-        stop.set()
+        stop.value = 1
         for p in procs:
             p.join(10)
         for p in procs:

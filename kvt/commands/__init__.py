@@ -14,14 +14,18 @@ mean the same everywhere and go through ``kvt.config.load_config``.
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from ..config import Config, load_config
-from ..errors import ConfigError
+from ..config import MAX_SECONDS, Config, load_config
+from ..errors import ConfigError, InvalidArgument
 
-__all__ = ["add_config_arguments", "config_from_args", "parse_option"]
+__all__ = ["add_config_arguments", "config_from_args", "parse_option", "check_seconds", "check_writable",
+           "physical_memory", "format_bytes"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, backend_metavar: str = "NAME",
@@ -53,3 +57,48 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> Config:
     ``overrides`` are further ``Config`` fields taken from the command's own flags."""
     options = dict(parse_option(o) for o in args.options) or None
     return load_config(args.backend, options, path=args.config, **overrides)
+
+
+def check_seconds(value: float | None, flag: str, limit: float = MAX_SECONDS) -> None:
+    """``InvalidArgument`` unless ``value`` (when given) is a finite number of seconds in (0, limit]."""
+    if value is not None and not (0 < value <= limit and math.isfinite(value)):
+        raise InvalidArgument(f"{flag} must be a positive number of seconds, at most {limit:g}; got {value!r}")
+
+
+def check_writable(path: str | None, flag: str) -> None:
+    """``InvalidArgument`` unless ``path`` (when given) is a file this process can write: checked before
+    any work, so that an hour's measurement is not lost to a typo in an output path.  Creates nothing."""
+    if path is None:
+        return
+    p = Path(path)
+    why = None
+    if p.is_dir():
+        why = "it is a directory"
+    elif p.exists():
+        if not os.access(p, os.W_OK):
+            why = "permission denied"
+    else:
+        try:  # the parent must exist and take a new file (a read-only mount says so only when tried)
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            why = e.strerror or str(e)
+        else:
+            os.close(fd)
+            p.unlink()
+    if why:
+        raise InvalidArgument(f"cannot write {flag} {path}: {why}; give a writable file path")
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (0 where unknown)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

@@ -20,6 +20,7 @@ from rich.text import Text
 from .. import memcopy, memory, registry
 from ..errors import BackendLoadError
 from ..types import Availability, Capabilities, MemKind, Op
+from . import check_seconds
 
 __all__ = ["register", "run", "statuses", "as_json"]
 
@@ -30,17 +31,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("names", nargs="*", metavar="NAME",
                    help="only these backends (an unknown or uninstalled name is an error)")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument("--timeout", type=float, default=registry.PROBE_TIMEOUT, metavar="SECONDS",
+                   help="give up on a plugin that has not imported and answered availability() within this "
+                        f"(it is listed as not usable); default {registry.PROBE_TIMEOUT:g}")
     p.set_defaults(func=run)
 
 
-def statuses(names: list[str] | None = None) -> list[registry.BackendStatus]:
+def statuses(names: list[str] | None = None, timeout: float = registry.PROBE_TIMEOUT) -> list[registry.BackendStatus]:
     """Status of ``names`` (raising for unknown ones), else of every installed backend."""
     if names:
-        return [registry.probe(n) for n in names]
+        return [registry.probe(n, timeout) for n in dict.fromkeys(names)]
     out = []
     for info in registry.list_backends():
         try:
-            out.append(registry.probe(info.name))
+            out.append(registry.probe(info.name, timeout))
         except BackendLoadError as e:  # e.g. one name declared by two distributions
             out.append(registry.BackendStatus(info, None, Availability(False, str(e))))
     return out
@@ -114,7 +118,8 @@ def _print_table(rows: list[registry.BackendStatus], show_missing: bool) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = statuses(args.names)
+    check_seconds(args.timeout, "--timeout")
+    rows = statuses(args.names, args.timeout)
     if args.json:
         print(json.dumps([as_json(s) for s in rows], indent=2))
     else:

@@ -23,8 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from .. import registry
-from ..errors import BackendNotFound, InvalidArgument
-from . import add_config_arguments, config_from_args
+from ..errors import BackendNotFound, InvalidArgument, KvtError
+from . import add_config_arguments, check_seconds, check_writable, config_from_args, format_bytes, physical_memory
 
 __all__ = ["register", "run", "engine_specs"]
 
@@ -73,29 +73,67 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _list(text: str | None, convert=str) -> list | None:
+def _list(text: str | None, convert=str, flag: str = "") -> list | None:
     if text is None:
         return None
+    out = []
+    for x in (x.strip() for x in text.split(",")):
+        if not x:
+            continue
+        try:
+            out.append(convert(x))
+        except InvalidArgument as e:  # parse_size says what a size is
+            raise InvalidArgument(f"{flag}: {e}") from None
+        except ValueError:
+            raise InvalidArgument(f"{flag}: {x!r} in {text!r} is not a whole number; give a comma-separated "
+                                  "list such as 1,8,64") from None
+    return out
+
+
+def _size(text: str | None, flag: str) -> int | None:
+    from ..bench import parse_size
+
     try:
-        return [convert(x.strip()) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InvalidArgument(f"{text!r} is not a comma-separated list of numbers") from None
+        return None if text is None else parse_size(text)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{flag}: {e}") from None
 
 
 def _plan(args: argparse.Namespace):
     from ..bench import make_plan, parse_size
     from ..bench.plan import cold_default
 
-    sizes = _list(args.block_sizes, parse_size)
-    max_bytes = parse_size(args.max_bytes) if args.max_bytes else None
+    sizes = _list(args.block_sizes, parse_size, "--block-sizes")
+    max_bytes = _size(args.max_bytes or None, "--max-bytes")
     if args.cold is not None:
-        rotate = cold_default() if args.cold == "auto" else parse_size(args.cold)
+        rotate = cold_default() if args.cold == "auto" else _size(args.cold, "--cold")
     else:
-        rotate = None if args.rotate is None else 0 if args.rotate.strip() == "0" else parse_size(args.rotate)
-    return make_plan(args.quick, groups=_list(args.groups), ops=_list(args.ops), blocks=sizes,
-                     batches=_list(args.batches, int), max_bytes=max_bytes, inflight=_list(args.inflight, int),
-                     scale=_list(args.scale, int), budget=args.budget, warmup=args.warmup,
-                     min_iters=args.min_iters, timeout=args.timeout, rotate=rotate)
+        rotate = None if args.rotate is None else 0 if args.rotate.strip() == "0" else _size(args.rotate, "--rotate")
+    check_seconds(args.budget, "--budget")
+    check_seconds(args.timeout, "--timeout")
+    plan = make_plan(args.quick, groups=_list(args.groups), ops=_list(args.ops), blocks=sizes,
+                     batches=_list(args.batches, int, "--batches"), max_bytes=max_bytes,
+                     inflight=_list(args.inflight, int, "--inflight"), scale=_list(args.scale, int, "--scale"),
+                     budget=args.budget, warmup=args.warmup, min_iters=args.min_iters, timeout=args.timeout,
+                     rotate=rotate)
+    _check_memory(plan)
+    return plan
+
+
+def _check_memory(plan) -> None:
+    """Refuse a plan whose buffers cannot fit: each engine's two sides each hold ``plan.arena``
+    bytes, pre-faulted, on this host (memcpy: both in one process)."""
+    from ..bench import format_size
+
+    need, have = 2 * plan.arena, physical_memory()
+    if have and need > have:
+        big = max(plan.cases, key=lambda c: c.nbytes * plan.rotations(c))
+        raise InvalidArgument(
+            f"the plan needs {format_bytes(need)} of memory (two buffers of {format_bytes(plan.arena)}, for its "
+            f"largest case: {big.group} {format_size(big.block)} x {big.batch} x {big.inflight}"
+            f"{f', rotated over {format_size(plan.rotate)}' if plan.rotations(big) > 1 else ''}), more than this "
+            f"machine's {format_bytes(have)}; lower --block-sizes, --batches, --max-bytes, --inflight, --scale "
+            "or --rotate/--cold")
 
 
 def _config(args: argparse.Namespace, backend: str):
@@ -119,7 +157,7 @@ def engine_specs(args: argparse.Namespace) -> list:
     if RAW_NIXL in baselines and importlib.util.find_spec("nixl") is not None:
         # the nixl backend's configuration (progress_thread, ucx_env) applies to raw NIXL too
         specs.append(EngineSpec(RAW_NIXL, "raw-nixl", _config(args, "nixl"), required=False))
-    names = _list(args.backend) if args.backend else installed
+    names = list(dict.fromkeys(_list(args.backend))) if args.backend else installed  # each backend once
     for name in names:
         if name not in installed:
             raise BackendNotFound(f"no installed kvt backend {name!r} (installed: {', '.join(installed) or 'none'}); "
@@ -171,9 +209,11 @@ def run(args: argparse.Namespace) -> int:
 
     plan = _plan(args)
     specs = engine_specs(args)
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else 2
     if rounds < 1:
         raise InvalidArgument(f"--rounds must be at least 1, got {rounds}")
+    for flag in ("json", "markdown", "plot"):  # before the run, not after it
+        check_writable(getattr(args, flag), f"--{flag}")
     if args.plot and "sweep" not in plan.meta["groups"]:
         raise InvalidArgument("--plot draws the sweep group; add sweep to --groups")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
@@ -207,14 +247,17 @@ def run(args: argparse.Namespace) -> int:
     after = report.machine()
     console.print(Text(f"{before['cpus']} CPUs; load average {before['loadavg'][0]:.2f} before, "
                        f"{after['loadavg'][0]:.2f} after; GB/s = bytes per iteration / median latency", style="dim"))
-    if args.json:
-        options = {k: v for k, v in vars(args).items() if k != "func"}
-        report.write_json(args.json, report.document(plan, outcomes, rows, argv=sys.argv, options=options,
-                                                     rounds=rounds, started=started, finished=time.time(),
-                                                     machine_before=before))
-    if args.markdown:
-        report.write_text(args.markdown, report.markdown(rows, engines))
-    if args.plot:
-        report.plot(rows, args.plot, engines)
+    try:  # checked writable before the run; a disk can still fill up or a directory vanish since
+        if args.json:
+            options = {k: v for k, v in vars(args).items() if k != "func"}
+            report.write_json(args.json, report.document(plan, outcomes, rows, argv=sys.argv, options=options,
+                                                         rounds=rounds, started=started, finished=time.time(),
+                                                         machine_before=before))
+        if args.markdown:
+            report.write_text(args.markdown, report.markdown(rows, engines))
+        if args.plot:
+            report.plot(rows, args.plot, engines)
+    except OSError as e:
+        raise KvtError(f"could not write the results to {e.filename or 'a file'}: {e.strerror or e}") from e
     failed = any(o.status == "error" for o in outcomes) or any(r["error"] for r in rows)
     return 1 if failed else 0

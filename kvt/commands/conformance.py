@@ -32,8 +32,12 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import registry
-from ..errors import BackendUnavailable, KvtError, KvtTimeoutError
-from . import parse_option
+from ..config import load_config
+from ..errors import BackendUnavailable, InvalidArgument, KvtError, KvtTimeoutError
+from . import check_seconds, check_writable, parse_option
+
+#: the longest --timeout: the whole run gets 20 times it, and that must stay a valid wait
+_MAX_TIMEOUT = 1e6
 
 __all__ = ["register", "run", "pytest_command", "render"]
 
@@ -76,14 +80,28 @@ def pytest_command(name: str, report: Path, options: dict[str, Any], args: argpa
     return cmd + shlex.split(args.pytest_args)
 
 
+def _check_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The backend options, once every argument is known to be usable (before pytest starts)."""
+    check_seconds(args.timeout, "--timeout", _MAX_TIMEOUT)
+    try:
+        shlex.split(args.pytest_args)
+    except ValueError as e:
+        raise InvalidArgument(f"--pytest-args {args.pytest_args!r} is not a shell-quoted string: {e}") from None
+    check_writable(args.json, "--json")
+    check_writable(args.junit_xml, "--junit-xml")
+    options = dict(parse_option(o) for o in args.options)
+    load_config(args.name, options, env={})  # the checks every other command applies to -o (e.g. timeout)
+    return options
+
+
 def run(args: argparse.Namespace) -> int:
+    options = _check_args(args)
     status = registry.probe(args.name)  # BackendNotFound for an unknown name
     if not status.usable:
         raise BackendUnavailable(f"backend {args.name!r} cannot run on this machine: {status.availability.reason}")
     if importlib.util.find_spec("kvt_conformance") is None:
         raise KvtError("the conformance suite is not installed: install the 'kvt-conformance' package "
                        "(`pip install -e conformance` from a kvt checkout)")
-    options = dict(parse_option(o) for o in args.options)
     with tempfile.TemporaryDirectory(prefix="kvt-conformance-") as tmp:
         report = Path(args.json).resolve() if args.json else Path(tmp) / "report.json"
         report.unlink(missing_ok=True)

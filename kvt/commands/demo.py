@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import add_config_arguments, config_from_args
+from . import add_config_arguments, check_seconds, config_from_args, format_bytes, physical_memory
+
+_COUNTS = ("layers", "blocks", "request_blocks", "block_size", "heads", "head_dim", "iters", "requests")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,17 +31,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what cannot run before any process starts: counts below 1, a timeout that is not a
+    finite number of seconds, and KV caches that do not fit in this machine's memory."""
+    from ..errors import InvalidArgument
+
+    for name in _COUNTS:
+        if getattr(args, name) < 1:
+            raise InvalidArgument(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    check_seconds(args.timeout, "--timeout")
+    # each side's cache: layers x blocks x (K, V) x heads x tokens x head dim, float16
+    side = args.layers * args.blocks * 2 * args.heads * args.block_size * args.head_dim * 2
+    have = physical_memory()
+    if have and 2 * side > have:
+        raise InvalidArgument(f"the two KV caches need {format_bytes(2 * side)} of memory, more than this machine's "
+                              f"{format_bytes(have)}; lower --layers, --blocks, --heads, --block-size or --head-dim")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..demo import DemoSpec, run as run_demo
     from ..errors import InvalidArgument
 
+    check_args(args)
     config = config_from_args(args)
     backend = config.backend
     if args.engine:
         from ..connector.engine_demo import engine_demo
 
-        if args.requests < 1:
-            raise InvalidArgument(f"--requests must be at least 1, got {args.requests}")
         return engine_demo(backend=backend, backend_options=config.options, requests=args.requests,
                            layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                            block_size=args.block_size, blocks=args.blocks, max_request_blocks=args.request_blocks,

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .. import registry
 from ..errors import InvalidArgument
 
 __all__ = ["register", "run", "write_skeleton"]
@@ -145,8 +146,14 @@ def write_skeleton(name: str, directory: Path) -> list[Path]:
     if not _NAME.match(name):
         raise InvalidArgument(f"backend name {name!r}: use 1-40 lowercase letters, digits, '-' or '_', "
                               "starting with a letter (it becomes the entry-point name)")
+    if directory.exists() and not directory.is_dir():
+        raise InvalidArgument(f"{directory} exists and is not a directory; choose a new directory")
     if directory.exists() and any(directory.iterdir()):
         raise InvalidArgument(f"{directory} exists and is not empty; choose a new directory")
+    taken = [i for i in registry.list_backends() if i.name == name]
+    if taken:
+        raise InvalidArgument(f"a backend named {name!r} is already installed ({taken[0].dist}); two entry points "
+                              "of one name make both unusable: choose another name")
     package, cls = f"kvt_{name.replace('-', '_')}", f"{_camel(name)}Backend"
     fields: dict[str, Any] = {"name": name, "package": package, "cls": cls, "camel": _camel(name)}
     backend = BACKEND_HEAD.format(**fields) + "".join(
@@ -157,8 +164,12 @@ def write_skeleton(name: str, directory: Path) -> list[Path]:
     written = []
     for rel, text in files.items():
         path = directory / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as e:
+            raise InvalidArgument(f"cannot write the skeleton into {directory}: {e.strerror or e} "
+                                  f"({e.filename or path}); choose a writable directory") from None
         written.append(path)
     return written
 
