@@ -541,6 +541,12 @@ class NixlBackend(Backend):
                     raise InvalidHandle(f"no transfer or prep with handle {handle!r} (released twice?)")
                 self._free_prep(p)
         elif x.handle is not None:
+            # NIXL cannot call back bytes it has posted (its release only cancels what has not
+            # started): they land, fail or miss the deadline (bounded) before release returns
+            while x.state is _PROC and x.handle is not None:
+                self._poll(x)
+                if x.state is _PROC:
+                    time.sleep(0.0002)
             self._free_xfer(x, wait=True)
 
     def _free_xfer(self, x: _Xfer, wait: bool) -> None:

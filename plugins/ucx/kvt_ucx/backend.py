@@ -445,6 +445,9 @@ class UcxBackend(Backend):
             x = None
         if x is None:
             x = self._xfers[handle]  # raises InvalidHandle
+        return self._state(x)
+
+    def _state(self, x: _Xfer) -> XferState:
         if x.state.status is not _PROC_STATUS:
             return x.state
         st = x.native.status(x.peer.pidfd)
@@ -474,9 +477,16 @@ class UcxBackend(Backend):
         if self._closed:
             self._check_open()
         try:
-            x = self._xfers.pop(handle, None)
+            x = self._xfers.get(handle)
         except TypeError:
             x = None
+        if x is not None and x.state.status is _PROC_STATUS:
+            # UCX cannot call back bytes it has posted: they land (or fail) before release returns.
+            # Bounded: past its deadline check_state disconnects the peer, which cancels them.
+            end = x.deadline + 1.0
+            while self._state(x).status is _PROC_STATUS and time.monotonic() < end:
+                time.sleep(0.0002)
+        x = self._xfers.pop(handle, None) if x is not None else None
         if x is None:  # a prep, or no handle at all
             take_handle(self._preps, self._xfers, handle)
         elif x.state.status is _PROC_STATUS:
