@@ -14,6 +14,7 @@ Block ids become descriptor indices with one numpy broadcast; each
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
@@ -30,8 +31,8 @@ from .config import Config, load_config
 from .auth import NotifSeal, Secret
 from .backend import Inbox
 from .errors import (AuthenticationError, ClosedError, HandshakeError, IncompatiblePeer, IntegrityError,
-                     InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, ServerBusy, TransferTimeout,
-                     UnknownPeer, UnsupportedOperation, WireError)
+                     InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError, PeerDisconnected, ServerBusy,
+                     TransferTimeout, UnknownPeer, UnsupportedOperation, WireError)
 from . import integrity
 from .handshake import HandshakeServer, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
@@ -48,6 +49,7 @@ def fetch_info(endpoint: str, sender: str, timeout: float, secret: Secret | None
     the peer never answers, ``HandshakeError`` if it refuses or sends
     something unreadable, ``AuthenticationError`` if ``secret`` (our
     ``auth_key``) and the peer's differ or one side has none."""
+    _seconds(timeout, "handshake timeout")  # NaN, infinity, a string: refused here, not deep in zmq
     reply = decode(request(endpoint, encode(HandshakeRequest(sender=sender)), timeout, secret), HandshakeReply)
     if reply.error:
         cls = AuthenticationError if reply.error.startswith(_AUTH_REFUSAL) else HandshakeError
@@ -68,9 +70,22 @@ def _refusal(e: Exception) -> bytes:
                                  else f"ServerBusy: {e}" if isinstance(e, ServerBusy) else "malformed request"))
 
 
+def _seconds(timeout: Any, what: str) -> float:
+    """``timeout`` as seconds: a finite real number (a negative one counts as
+    0: look once).  NaN would never expire and infinity never end a wait, so
+    both are refused, as is anything but a number."""
+    if isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(timeout, bool):
+        t = float(timeout)
+        if math.isfinite(t):
+            return max(t, 0.0)
+    raise InvalidArgument(f"{what} must be a finite number of seconds, got {timeout!r}")
+
+
 def poll_until(check, timeout: float, what: str):
     """Call ``check()`` until it returns something truthy; spin briefly, then
-    back off to 1 ms sleeps.  ``KvtTimeoutError`` after ``timeout`` seconds."""
+    back off to 1 ms sleeps.  ``KvtTimeoutError`` after ``timeout`` seconds
+    (``InvalidArgument`` if that is not a finite number)."""
+    timeout = _seconds(timeout, "timeout")
     deadline = time.monotonic() + timeout
     spins, delay = 0, 0.0
     while True:
@@ -84,6 +99,34 @@ def poll_until(check, timeout: float, what: str):
         if spins > 100:  # latency-sensitive start, then stop burning the core
             delay = min(0.001, delay * 2 or 2e-5)
             time.sleep(min(delay, deadline - now))
+
+
+def _in_thread(loop, fn, *args):
+    """``fn(*args)`` on a thread of its own, as a future of ``loop``.  Not the
+    loop's executor: a wait on a silent peer may take its whole timeout, and
+    that pool has a few threads the rest of the program needs."""
+    fut = loop.create_future()
+
+    def run():
+        try:
+            out, exc = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            out, exc = None, e
+        try:
+            loop.call_soon_threadsafe(_resolve, fut, out, exc)
+        except RuntimeError:  # the loop is closed: nobody awaits it any more
+            pass
+
+    threading.Thread(target=run, name="kvt-await", daemon=True).start()
+    return fut
+
+
+def _resolve(fut, out, exc) -> None:
+    if not fut.done():  # cancelled meanwhile: the outcome is nobody's
+        if exc is None:
+            fut.set_result(out)
+        else:
+            fut.set_exception(exc)
 
 
 _PROC = XferState.PROC.status
@@ -107,7 +150,8 @@ class Telemetry:
 
 class Transfer:
     """A posted transfer: poll with ``state()``, block with ``wait()``, or
-    ``await`` it from a coroutine."""
+    ``await`` it from a coroutine.  ``release()`` it (or use it as a context
+    manager); one dropped unreleased is released by its agent later."""
 
     __slots__ = ("_agent", "_backend", "handle", "nbytes", "descs", "peer", "verify",
                  "_t0", "_t1", "_t2", "_released")
@@ -125,6 +169,8 @@ class Transfer:
         self._released = False
 
     def state(self) -> XferState:
+        if self._released:
+            raise InvalidHandle(f"transfer {self.handle} was released; its state is gone (telemetry stays)")
         s = self._backend.check_state(self.handle)
         if self._t2 is None and s.status is not _PROC:
             self._t2 = perf_counter_ns()
@@ -132,14 +178,15 @@ class Transfer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Until ``DONE``; raises the ``TransferError`` cause on ``ERR``,
-        ``KvtTimeoutError`` after ``timeout`` (default: transfer_timeout + 5 s).
-        Blocks on the backend's completion event where it has one.  A failure
-        that looks like the peer went away first tries, briefly, to reconnect
-        it (``Agent.reconnect``), so the next transfer reaches a peer that
-        restarted meanwhile."""
+        ``KvtTimeoutError`` after ``timeout`` seconds (default:
+        transfer_timeout + 5; 0 looks once; NaN, infinity or a non-number:
+        ``InvalidArgument``).  Blocks on the backend's completion event where
+        it has one.  A failure that looks like the peer went away first tries,
+        briefly, to reconnect it (``Agent.reconnect``), so the next transfer
+        reaches a peer that restarted meanwhile."""
+        t = self._agent.config.transfer_timeout + 5 if timeout is None else _seconds(timeout, "wait timeout")
         state = self.state()
         if state.pending:
-            t = self._agent.config.transfer_timeout + 5 if timeout is None else timeout
             state = self._backend.wait(self.handle, t)
             if state.pending:
                 raise KvtTimeoutError(f"transfer {self.handle} ({self.nbytes} bytes) did not happen within {t:g}s")
@@ -152,12 +199,24 @@ class Transfer:
             self.verify()
 
     def __await__(self):
-        """``await transfer``: ``wait()`` on a worker thread, so the event loop runs meanwhile."""
-        if self.state().pending:
-            import asyncio
+        """``await transfer``: ``wait()`` on a thread, so the event loop runs
+        meanwhile.  Cancelled (``task.cancel()``, ``asyncio.wait_for``), the
+        transfer is released before the cancellation reaches the caller, so
+        none of its bytes land after it."""
+        if self.state().done and self.verify is None:
+            return  # settled already: no thread
+        yield from self._wait_async().__await__()
 
-            yield from asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
-        self.wait(0)  # settled: raises the cause of an ERR
+    async def _wait_async(self) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        try:
+            await _in_thread(loop, self.wait)
+        except asyncio.CancelledError:
+            # shielded: a second cancellation must not leave the release half done
+            await asyncio.shield(_in_thread(loop, self._release_quietly))
+            raise
 
     @property
     def telemetry(self) -> Telemetry:
@@ -165,10 +224,34 @@ class Transfer:
                          None if self._t2 is None else (self._t2 - self._t1) / 1e9)
 
     def release(self) -> None:
-        """Free the handle (idempotent for this object)."""
+        """Free the handle.  Releasing a transfer in flight stops it where the
+        backend can, else waits for its posted bytes (bounded by the backend's
+        timeout).  Idempotent for this object, and nothing to do once the
+        agent is closed (``close`` released every handle)."""
         if not self._released:
             self._released = True
-            self._backend.release(self.handle)
+            if self._agent._closed:
+                return
+            try:
+                self._backend.release(self.handle)
+            except ClosedError:  # closed meanwhile: close released it
+                pass
+
+    def _release_quietly(self) -> None:
+        try:
+            self.release()
+        except KvtError as e:  # the caller sees its cancellation; this is only worth a log line
+            log.debug("releasing cancelled transfer %s: %s", self.handle, e)
+
+    def __del__(self):
+        # dropped unreleased (``read_blocks(...).wait()``, ``await read_blocks(...)``): the
+        # agent releases it on its next post; never from here, since a finalizer may run
+        # inside a backend call that holds the backend's lock
+        try:
+            if not self._released and not self._agent._closed:
+                self._agent._orphans.append(self.handle)
+        except AttributeError:  # half-built, or torn down at interpreter exit
+            pass
 
     def __enter__(self):
         return self
@@ -181,10 +264,11 @@ class _Route:
     """A checked (peer, local layout, remote layout) pairing with both sides
     prepped: what every transfer between them reuses."""
 
-    __slots__ = ("lprep", "rprep", "block_len", "nblocks", "lregions", "rregions")
+    __slots__ = ("lprep", "rprep", "block_len", "nblocks", "rnblocks", "lregions", "rregions")
 
     def __init__(self, lprep: PrepHandle, rprep: PrepHandle, mine: BlockLayout, theirs: BlockLayout):
         self.lprep, self.rprep, self.block_len, self.nblocks = lprep, rprep, mine.block_len, mine.num_blocks
+        self.rnblocks = theirs.num_blocks
         self.lregions = _region_offsets(mine)
         self.rregions = _region_offsets(theirs)
 
@@ -221,13 +305,14 @@ class Agent:
         self._peers: dict[str, AgentInfo] = {}
         self._preps: dict[tuple[str | None, str], PrepHandle] = {}
         self._routes: dict[tuple[str, str, str], _Route] = {}  # (peer, layout, remote layout) -> checked, prepped
-        self._nblocks: dict[PrepHandle, int] = {}  # blocks per region of each prepped layout
+        self._orphans: list[XferHandle] = []  # transfers dropped unreleased (Transfer.__del__), freed on a post
         # what wait_notif received while looking for another message, bounded as a backend's inbox
         self._pending = Inbox()
         self._reach: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
         self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
         self._discovery = None
         self._lock = threading.RLock()
+        self._close_lock = threading.Lock()  # a second close() returns once the first is done
         self._server: HandshakeServer | None = None
         self._closed = False
 
@@ -239,6 +324,7 @@ class Agent:
         return self.backend.register(Descs.coerce(mem, kind))
 
     def deregister(self, handle: RegHandle) -> None:
+        self._check_open()
         self.backend.deregister(handle)
 
     def register_blocks(self, layout: str, buffers: Sequence[Any], *,
@@ -259,8 +345,10 @@ class Agent:
         block_len = int(descs.lengths[0]) // max(num_blocks, 1)
         with self._lock:
             if layout in self._layout_regs:
-                self.backend.deregister(self._layout_regs.pop(layout))
+                # preps first: a transfer posted meanwhile then finds its route gone and takes the new
+                # one, rather than a prep of memory that is no longer registered
                 self._drop_preps(lambda peer, name: name == layout and peer is None)
+                self.backend.deregister(self._layout_regs.pop(layout))
             self._layout_regs[layout] = self.backend.register(descs)
             self._layouts[layout] = BlockLayout(base_addrs=descs.addrs.tolist(), block_len=block_len,
                                                 num_blocks=num_blocks, stride=block_len,
@@ -358,6 +446,7 @@ class Agent:
 
     def _fetch(self, route: str, timeout: float | None) -> AgentInfo:
         t = self.config.handshake_timeout if timeout is None else timeout
+        _seconds(t, "handshake timeout")
         if "://" not in route:
             route = self.discovery.resolve(route, timeout=t)
         return fetch_info(route, self.name, t, self.secret)
@@ -427,6 +516,7 @@ class Agent:
         return name
 
     def remove_peer(self, peer: str) -> None:
+        self._check_open()
         with self._lock:
             self._drop_preps(lambda p, _: p == peer)
             self._peers.pop(peer, None)
@@ -463,42 +553,86 @@ class Agent:
         t0 = perf_counter_ns()
         if self._closed:
             self._check_open()
+        if self._orphans:
+            self._reap()
         if self._lost and peer in self._lost and time.monotonic() - self._lost[peer] >= _RECOVER_EVERY:
             self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
         rname = remote_layout or layout
-        route = self._routes.get((peer, layout, rname)) or self._route(peer, layout, rname)
-        if route.lregions is None:  # one region: block ids are the indices, and the backend checks them
-            lidx, ridx = local_ids, remote_ids
-            n = route.nblocks if local_ids is None else len(local_ids)
-        else:
-            lidx, ridx = self._index(route.lregions, local_ids, route.lprep), self._index(route.rregions, remote_ids, route.rprep)
-            n = lidx.size
-        if notif is not None and self._notif_seal is not None:
-            notif = self._seal(peer, notif)
-        t = Transfer(self, self.backend.transfer(op, route.lprep, lidx, route.rprep, ridx, notif),
-                     n * route.block_len, n, t0, peer)
+        key = (peer, layout, rname)
+        route = self._routes.get(key) or self._route(peer, layout, rname)
+        try:
+            h, n = self._post(op, route, local_ids, remote_ids,
+                              notif if notif is None or self._notif_seal is None else self._seal(peer, notif))
+        except InvalidHandle as e:
+            h, n, route = self._repost(e, op, key, route, local_ids, remote_ids, notif)
+        t = Transfer(self, h, n * route.block_len, n, t0, peer)
         if self.config.integrity:
             t.verify = lambda: self._verify(Op(op), peer, layout, rname, local_ids, remote_ids)
         return t
 
-    def _index(self, regions: np.ndarray, block_ids: Any, prep: PrepHandle) -> np.ndarray:
-        return (regions + as_index(block_ids, self._nblocks[prep], "block ids")).ravel()
+    def _post(self, op: Op, route: _Route, local_ids: Any, remote_ids: Any, notif: bytes | None):
+        """The backend's handle and the number of descriptors posted."""
+        if route.lregions is None:  # one region: block ids are the indices, and the backend checks them
+            lidx, ridx = local_ids, remote_ids
+            n = route.nblocks if local_ids is None else len(local_ids)
+        else:
+            lidx = (route.lregions + as_index(local_ids, route.nblocks, "block ids")).ravel()
+            ridx = (route.rregions + as_index(remote_ids, route.rnblocks, "block ids")).ravel()
+            n = lidx.size
+        return self.backend.transfer(op, route.lprep, lidx, route.rprep, ridx, notif), n
+
+    def _repost(self, err: InvalidHandle, op: Op, key: tuple[str, str, str], route: _Route, local_ids, remote_ids,
+                notif):
+        """``err``: a prep of ``route`` was released under the post.  If
+        another thread's ``add_peer``/``reconnect``, ``register_blocks`` or
+        ``remove_peer`` replaced the route meanwhile, post again on the
+        current one (a removed peer then raises ``UnknownPeer``)."""
+        for _ in range(10):
+            self._check_open()
+            if self._routes.get(key) is route:
+                raise err  # the route is current: not a race, the caller's error
+            route = self._routes.get(key) or self._route(*key)
+            # sealed again: the peer may be a new incarnation now
+            sealed = notif if notif is None or self._notif_seal is None else self._seal(key[0], notif)
+            try:
+                return (*self._post(op, route, local_ids, remote_ids, sealed), route)
+            except InvalidHandle as e:
+                err = e
+        raise InvalidHandle(f"the route to peer {key[0]!r} kept being replaced while posting ({err}); "
+                            "do not re-add the peer or its layout in a loop while transferring")
 
     def _route(self, peer: str, layout: str, rname: str) -> _Route:
         """Check and prep a layout pairing once; transfers then reuse it."""
-        mine, theirs = self._layout(None, layout), self._layout(peer, rname)
-        if mine.block_len != theirs.block_len or len(mine.base_addrs) != len(theirs.base_addrs):
-            raise IncompatiblePeer(
-                f"layout {layout!r} ({len(mine.base_addrs)} regions x {mine.block_len} B blocks) does not match "
-                f"peer {peer!r}'s {rname!r} ({len(theirs.base_addrs)} x {theirs.block_len} B)")
-        if self.config.integrity and peer not in self._reach:
-            raise UnsupportedOperation(f"integrity checks ask the peer for its digests through its side channel: "
-                                       f"connect() to {peer!r} rather than add_peer()")
-        with self._lock:
+        with self._lock:  # layouts and preps read together: add_peer or register_blocks may replace them
+            mine, theirs = self._layout(None, layout), self._layout(peer, rname)
+            if mine.block_len != theirs.block_len or len(mine.base_addrs) != len(theirs.base_addrs):
+                raise IncompatiblePeer(
+                    f"layout {layout!r} ({len(mine.base_addrs)} regions x {mine.block_len} B blocks) does not "
+                    f"match peer {peer!r}'s {rname!r} ({len(theirs.base_addrs)} x {theirs.block_len} B)")
+            if self.config.integrity and peer not in self._reach:
+                raise UnsupportedOperation(f"integrity checks ask the peer for its digests through its side "
+                                           f"channel: connect() to {peer!r} rather than add_peer()")
             route = _Route(self._prep(None, layout), self._prep(peer, rname), mine, theirs)
-            self._nblocks[route.lprep], self._nblocks[route.rprep] = mine.num_blocks, theirs.num_blocks
             self._routes[(peer, layout, rname)] = route
         return route
+
+    def _reap(self) -> None:
+        """Release the transfers dropped unreleased that have settled; the
+        rest wait for a later post."""
+        pending = []
+        while self._orphans:
+            try:
+                h = self._orphans.pop()
+            except IndexError:  # another thread took the last one
+                break
+            try:
+                if self.backend.check_state(h).pending:
+                    pending.append(h)
+                else:
+                    self.backend.release(h)
+            except KvtError:  # released or closed meanwhile
+                pass
+        self._orphans.extend(pending)
 
     @staticmethod
     def block_index(layout: BlockLayout, block_ids: Any) -> np.ndarray:
@@ -596,15 +730,18 @@ class Agent:
             raise ClosedError(f"agent {self.name!r} is closed")
 
     def close(self) -> None:
-        """Stop the side channel and close the backend.  Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._discovery is not None:
-            self._discovery.close()
-        if self._server is not None:
-            self._server.close()
-        self.backend.close()
+        """Stop the side channel and close the backend: transfers still in
+        flight end ``ERR``, and every handle is released.  Idempotent, also
+        from several threads at once (each returns once it is closed)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._discovery is not None:
+                self._discovery.close()
+            if self._server is not None:
+                self._server.close()
+            self.backend.close()
 
     def __enter__(self):
         return self
