@@ -3,13 +3,18 @@
 
 Each subcommand lives in ``kvt.commands.<name>`` (see ``kvt.commands``).  A
 ``KvtError`` escaping a command prints ``kvt: error: ...`` on stderr and exits
-with code 2; any other exception is a bug and keeps its traceback.
+with code 2; any other exception is a bug and keeps its traceback.  Standard
+output that cannot be written is not a bug: a full disk or a broken device
+prints ``kvt: error: cannot write to standard output: ...`` and exits 1; a
+reader that went away (``kvt backends | head -c1``) ends the command quietly
+(exit code 1), as Unix tools stop on SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from types import ModuleType
 from typing import Sequence
@@ -35,8 +40,40 @@ def _command_modules() -> list[ModuleType]:
     return mods
 
 
+class _Parser(argparse.ArgumentParser):
+    def _print_message(self, message, file=None):
+        # argparse ignores write errors (``kvt --help > /dev/full`` would exit 0): let main() see them
+        if message:
+            (file or sys.stderr).write(message)
+
+
+class _Stdout:
+    """``sys.stdout`` that remembers a failed write, so that ``main`` tells
+    an unwritable stdout from any other ``OSError`` (a bug, or a child's pipe)."""
+
+    def __init__(self, stream):
+        self._stream, self.error = stream, None
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvt", description="Move KV-cache blocks between processes through pluggable backends.")
     parser.add_argument("--version", action="version", version=f"kvt {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -47,6 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (``sys.exit(main())``)."""
+    real = sys.stdout
+    out = sys.stdout = _Stdout(real)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a write error shows here, not as a traceback at interpreter exit
+        return code
+    except OSError as e:
+        if out.error is None:
+            raise
+        try:  # what is still buffered would fail again at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), real.fileno())
+        except (OSError, ValueError):
+            pass
+        if not isinstance(e, BrokenPipeError):  # the reader went away: nothing to say, as Unix tools
+            print(f"kvt: error: cannot write to standard output: {e.strerror or e}", file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout = real
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ from . import add_config_arguments, check_seconds, check_writable, config_from_a
 __all__ = ["register", "run", "engine_specs"]
 
 _BASELINES = ("memcpy", "raw-nixl")
+MAX_ROUNDS = 100  #: each round runs every engine over the whole plan again
 
 
 def register(subparsers: Any) -> None:
@@ -62,7 +63,7 @@ def register(subparsers: Any) -> None:
                                "are timed from memory as an engine's KV is, not from cache")
     timing.add_argument("--rounds", type=int, metavar="N",
                         help="run every engine N times, alternating their order, and pool the iterations "
-                             "(default: 2; 1 with --quick)")
+                             f"(default: 2; 1 with --quick; at most {MAX_ROUNDS})")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write every row and the run's settings as JSON")
     out.add_argument("--plot", metavar="FILE.png", help="plot bandwidth vs block size per backend")
@@ -210,8 +211,9 @@ def run(args: argparse.Namespace) -> int:
     plan = _plan(args)
     specs = engine_specs(args)
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 2
-    if rounds < 1:
-        raise InvalidArgument(f"--rounds must be at least 1, got {rounds}")
+    if not 1 <= rounds <= MAX_ROUNDS:
+        raise InvalidArgument(f"--rounds must be in 1..{MAX_ROUNDS} (each round runs every engine over the "
+                              f"whole plan again), got {rounds}")
     for flag in ("json", "markdown", "plot"):  # before the run, not after it
         check_writable(getattr(args, flag), f"--{flag}")
     if args.plot and "sweep" not in plan.meta["groups"]:

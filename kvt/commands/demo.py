@@ -8,6 +8,9 @@ import json
 from . import add_config_arguments, check_seconds, config_from_args, format_bytes, physical_memory
 
 _COUNTS = ("layers", "blocks", "request_blocks", "block_size", "heads", "head_dim", "iters", "requests")
+#: upper bounds of the counts memory does not bound: every read's latency is kept (and sent to this
+#: process), every request is planned up front and reported on its own line
+MAX_COUNTS = {"iters": 10**8, "requests": 10**6}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,14 +22,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per block")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=10, help="timed reads (after one warm-up read)")
+    p.add_argument("--iters", type=int, default=10,
+                   help=f"timed reads (after one warm-up read); at most {MAX_COUNTS['iters']:,}")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--engine", action="store_true",
                    help="run the reference engine instead: prefill and decode workers as processes, "
                         "--requests requests of mixed lengths (up to --request-blocks blocks), every decoded "
                         "block verified; prints per-request latency and total throughput")
-    p.add_argument("--requests", type=int, default=16, help="with --engine: how many requests")
+    p.add_argument("--requests", type=int, default=16,
+                   help=f"with --engine: how many requests; at most {MAX_COUNTS['requests']:,}")
     add_config_arguments(p)
     p.set_defaults(func=run)
 
@@ -39,6 +44,9 @@ def check_args(args: argparse.Namespace) -> None:
     for name in _COUNTS:
         if getattr(args, name) < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name, limit in MAX_COUNTS.items():
+        if getattr(args, name) > limit:
+            raise InvalidArgument(f"--{name} must be at most {limit:,}, got {getattr(args, name):,}")
     check_seconds(args.timeout, "--timeout")
     # each side's cache: layers x blocks x (K, V) x heads x tokens x head dim, float16
     side = args.layers * args.blocks * 2 * args.heads * args.block_size * args.head_dim * 2
