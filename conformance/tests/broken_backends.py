@@ -15,7 +15,7 @@ from kvt.errors import (InvalidArgument, InvalidDescriptor, PeerDisconnected, Re
                         UnsupportedOperation)
 from kvt.types import Descs, MemKind, Op, XferState, as_index
 from kvt.wire import decode
-from kvt_example.backend import _AGENTS, ExampleBackend, ExampleMetadata, _copy, _Job
+from kvt_example.backend import _AGENTS, ExampleBackend, ExampleMetadata, _copy, _Job, _rows
 
 #: seconds the early-DONE double lets the bytes lag behind its DONE
 LAG = 0.02
@@ -261,6 +261,21 @@ class BrokenMetadataLeaksValueError(ExampleBackend):
         return md.name
 
 
+class BrokenEmptyPeerName(ExampleBackend):
+    """Test double: ``add_remote`` checks everything but the peer's name, so
+    metadata naming its agent "" loads a peer called ""."""
+
+    def add_remote(self, metadata):
+        self._check_open()
+        md = decode(metadata, ExampleMetadata)
+        if md.pid != os.getpid():
+            raise UnsupportedOperation("agents of this process only")
+        if md.name == self.agent_name:
+            raise InvalidArgument("that is this agent's own metadata")
+        self._peers[md.name] = _rows(md.regions)
+        return md.name
+
+
 class BrokenNotifOnRefusal(ExampleBackend):
     """Test double: when the owner refuses a transfer (memory it no longer
     has registered), the transfer's notification still goes out."""
@@ -284,6 +299,7 @@ SUITES = {
     "BrokenPeerOnlyNoPairCheck": ("TransferTests", "CompletionTests", "ErrorTests"),
     "BrokenMetadataLeaksValueError": ("TransferTests", "MetadataTests"),
     "BrokenNotifOnRefusal": ("NotificationTests", "OwnerCheckTests"),
+    "BrokenEmptyPeerName": ("TransferTests", "MetadataTests"),
 }
 
 #: the unbroken backend first: the control every variant is compared with
@@ -291,4 +307,4 @@ VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDon
             BrokenNoBoundsCheck, BrokenEarlyNotif, BrokenCrossHost, BrokenDropsNotifs, BrokenDeregisterNoDrain,
             BrokenReleaseReturnsEarly, BrokenNotifAfterFirstRequest, BrokenRangeArithmetic,
             BrokenOwnerChecksStartsOnly, BrokenPeerOnlyNoPairCheck, BrokenMetadataLeaksValueError,
-            BrokenNotifOnRefusal)
+            BrokenNotifOnRefusal, BrokenEmptyPeerName)

@@ -123,6 +123,10 @@ EXPECT = {
     "BrokenNotifOnRefusal": (
         [f"OwnerCheckTests::test_refused_transfer_sends_no_notification[{op}]" for op in ("READ", "WRITE")],
         ["notifications", *(f"OwnerCheckTests::test_stale_metadata_is_refused[{op}]" for op in ("READ", "WRITE"))]),
+    "BrokenEmptyPeerName": (
+        ["MetadataTests::test_empty_peer_name_is_refused"],
+        ["transfers", "MetadataTests::test_hostile_metadata_fields", "MetadataTests::test_remove_remote",
+         *(f"MetadataTests::test_malformed_metadata[{how}]" for how in ("truncated", "random", "another-message"))]),
 }
 
 

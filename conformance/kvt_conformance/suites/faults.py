@@ -159,6 +159,50 @@ class FaultTests(BackendFixtures):
             time.sleep(0.1)
         assert not near.read().any(), "bytes of a READ that had ended in ERR landed after it had"
 
+    @requires("remote", "WRITE", "stops_on_err")
+    def test_remote_write_ended_in_err_lands_nothing_later(self, make_backend, local_buffer, spawn_peer, target,
+                                                           wait_for):
+        """The WRITE side of the test above: a WRITE to a peer that stopped
+        answering ends in ERR, and once it has, no byte of it lands in the
+        peer's memory, even when the peer runs again: the peer may have given
+        those blocks to another request.  Both sides use the backend's
+        ``cross_host_options``, so nothing moves into the stopped peer at all:
+        whatever its buffer holds once it runs again arrived after the ERR.
+        This side's buffer is overwritten at the ERR (an engine reuses it), so
+        a transport that reads it late is caught too."""
+        opts = dict(target.caps.cross_host_options)
+        backend = make_backend(timeout=self.fault_timeout, **opts)
+        victim = spawn_peer(timeout=self.fault_timeout, **opts)
+        vbuf, vname = victim.alloc(BLOCK * N), backend.add_remote(victim.metadata())
+        near = local_buffer(BLOCK * N, seed=7, owner=backend)
+        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
+        victim.stop()
+        try:
+            h = backend.transfer(Op.WRITE, lp, None, rp, None)
+            state = settle(backend, h, wait_for)
+            if state.done:
+                pytest.skip(f"the WRITE completed with the peer stopped, even with {opts}: nothing stalled")
+            assert isinstance(state.cause, TransferError), state
+            near.write(np.full(BLOCK * N, 0xA5, np.uint8))
+            backend.release(h)
+        finally:
+            victim.resume()
+        # the peer answers again: give a late WRITE every chance to land (as in the READ test)
+        other = local_buffer(BLOCK, owner=backend)
+        spare = victim.alloc(BLOCK)
+        name = backend.add_remote(victim.metadata())
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                settle(backend, backend.transfer(Op.WRITE, backend.prep(None, other.blocks(BLOCK, [0])), None,
+                                                 backend.prep(name, spare.blocks(BLOCK, [0])), None), wait_for)
+            except KvtError:
+                pass
+            time.sleep(0.1)
+        late = np.flatnonzero(vbuf.read())
+        assert not late.size, (f"{late.size} bytes of a WRITE that had ended in ERR landed in the peer after it had "
+                               f"(first at offset {late[0]}); end the transfer so that none can (stops_on_err)")
+
     @requires("remote")
     def test_remove_remote_ends_in_flight_transfers(self, backend, local_buffer, spawn_peer, target, wait_for):
         victim, vbuf, vname = self._victim(backend, spawn_peer)

@@ -131,6 +131,27 @@ class MetadataTests(BackendFixtures):
         assert backend.add_remote(peer.metadata()) == name
         backend.prep(name, buf.blocks(256, [0]))
 
+    def test_empty_peer_name_is_refused(self, backend, peer):
+        """Metadata naming its agent ``""`` (every top-level field that held
+        the peer's name emptied) is malformed: ``add_remote`` raises
+        ``WireError`` and loads no peer, as the host and nixl backends do (a
+        peer called "" is one no error, log line or notification sender can
+        name).  The real metadata still loads afterwards."""
+        md = peer.metadata()
+        try:
+            fields = msgspec.msgpack.decode(md)
+        except msgspec.DecodeError:
+            fields = None
+        names = [k for k, v in fields.items() if v == peer.name] if isinstance(fields, dict) else []
+        if not names:
+            pytest.skip("this backend's metadata is not a msgpack map with a field holding the agent's name")
+        fields.update(dict.fromkeys(names, ""))
+        with pytest.raises(WireError):
+            backend.add_remote(msgspec.msgpack.encode(fields))
+        with pytest.raises(UnknownPeer):
+            backend.remove_remote("")
+        assert backend.add_remote(md) == peer.name
+
     def test_hostile_metadata_fields(self, backend, local_buffer, peer, target, wait_for):
         """A peer's metadata with one field replaced (wrong type, cut, padded,
         oversized, out of range), for every field: ``add_remote`` raises a kvt

@@ -45,6 +45,7 @@ __all__ = ["ExampleBackend", "ExampleMetadata"]
 #: every open agent of this process, by name: how add_remote's names become agents
 _AGENTS: "weakref.WeakValueDictionary[str, ExampleBackend]" = weakref.WeakValueDictionary()
 _AGENTS_LOCK = threading.Lock()
+MAX_NAME = 256  #: characters of a peer's name in its metadata (as the host and nixl backends)
 
 
 class ExampleMetadata(Message, tag="example_md"):
@@ -140,6 +141,8 @@ class ExampleBackend(Backend):
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
         md = decode(metadata, ExampleMetadata)  # WireError / VersionMismatch on bad bytes
+        if not 0 < len(md.name) <= MAX_NAME:  # "" would be a peer no error message can name
+            raise WireError(f"peer name must be 1 to {MAX_NAME} characters, got {len(md.name)}")
         if md.pid != os.getpid():
             raise UnsupportedOperation(f"agent {md.name!r} lives in process {md.pid}; the example backend reaches "
                                        "agents of its own process only (it declares remote=False)")

@@ -37,8 +37,8 @@ from typing import Any, Mapping
 import numpy as np
 from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
 from kvt.epoch import Epoch, EpochWatch
-from kvt.errors import (ConfigError, InvalidArgument, PeerDisconnected, RemoteRejected, TransferError,
-                        TransferTimeout, WireError)
+from kvt.errors import (ConfigError, InvalidArgument, KvtTimeoutError, PeerDisconnected, RemoteRejected,
+                        TransferError, TransferTimeout, WireError)
 from kvt.procs import host_id, start_time
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle,
                        XferState)
@@ -52,6 +52,7 @@ _MODES = ("auto", "peer", "none")
 _MAX_NOTIF = 1 << 20
 _MAX_ADDRESS = 1 << 16  # a UCX worker address is a few hundred bytes
 _MAX_RKEY = 1 << 12
+_MAX_NAME = 256  # characters of a peer's name (as the host and nixl backends)
 # same-host requests of at least this many bytes are copied on two lanes (two CPUs) at once
 _SPLIT_BYTES = 2 << 20
 
@@ -82,6 +83,7 @@ class _Peer:
     pidfd: int = -1                  # same host: readable once it exited (our own dup of the C watch's)
     failed: TransferError | None = None  # it stopped answering: disconnected until its metadata is re-added
     dropped: bool = False            # its keys and endpoint are closed (once: see _drop)
+    holds: int = 0                   # our threads copying with it now (its deregister waits; one flock)
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,12 @@ class UcxBackend(Backend):
                 if m is not None:
                     m.unmap()
             self._self = None
+            # same-host peers copy with cma, which ignores keys: stop new copies, then wait for those
+            # under way (outside the lock, which our own copies to other peers take meanwhile)
             self._epoch.bump()
+        if not self._epoch.drain(self.timeout):
+            raise KvtTimeoutError(f"a same-host peer's transfer still used the deregistered memory after "
+                                  f"{self.timeout:g}s; do not free it yet")
 
     # -- peers ----------------------------------------------------------------
 
@@ -290,6 +297,8 @@ class UcxBackend(Backend):
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
         md = decode(metadata, UcxMetadata)
+        if not 0 < len(md.name) <= _MAX_NAME:  # "" would be a peer no error message can name
+            raise WireError(f"peer name must be 1 to {_MAX_NAME} characters, got {len(md.name)}")
         if md.name == self.agent_name:
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
         peer = self._connect(md)
@@ -336,6 +345,10 @@ class UcxBackend(Backend):
         if p.pidfd >= 0:
             os.close(p.pidfd)
             p.pidfd = -1
+        with self._lock:  # nothing copies with it any more; closing our open of its page drops our hold
+            if p.epoch is not None:
+                p.epoch.close()
+                p.epoch = None
 
     def _peer(self, name: str | None) -> _Peer:
         if name is None:
@@ -386,11 +399,26 @@ class UcxBackend(Backend):
                 raise InvalidArgument("registrations changed since this local prep; prep the descriptors again")
         if peer.failed is not None:
             return self._given_up(op, peer)
-        if peer.epoch is not None and peer.epoch.stale:
-            raise RemoteRejected(f"peer {rp.peer!r} deregistered memory since its metadata was loaded; "
-                                 "re-add its metadata (it may no longer offer these rows)")
         if lp.descs.kind is not rp.descs.kind:
             raise InvalidArgument(f"local {lp.descs.kind.value} and remote {rp.descs.kind.value} descriptors")
+        if peer.epoch is None:
+            return self._post(op, peer, lp, local_idx, rp, remote_idx, notif)
+        # a same-host peer: cma copies its memory without it, ignoring its keys, so its deregister
+        # must wait for the copy (kvt.epoch), as for the host backend's same-host copies.  cma
+        # copies inside post(), but for the second lane's half: the hold lasts until that is done
+        self._hold(peer, rp.peer)
+        try:
+            h = self._post(op, peer, lp, local_idx, rp, remote_idx, notif)
+            x = self._xfers.get(h)
+            if x is not None and x.native is not None and peer.ep.lanes() == 2:
+                while x.native.status() == native.INPROGRESS and time.monotonic() < x.deadline:
+                    pass  # a memory-speed copy of at most a chunk or two
+            return h
+        finally:
+            self._unhold_peer(peer)
+
+    def _post(self, op: Op, peer: _Peer, lp: _Prep, local_idx: Any, rp: _Prep, remote_idx: Any,
+              notif: bytes | None) -> XferHandle:
         try:  # contiguous int64/int32 arrays (or None) go to C as they are
             nx = self._worker.post(op is _WRITE, peer.ep, lp.local, local_idx, rp.remote, remote_idx, peer.keys, notif)
         except (ValueError, BufferError, TypeError) as e:
@@ -410,6 +438,32 @@ class UcxBackend(Backend):
         h = next(self._ids)  # the base class's id space (a C iterator: atomic under the GIL)
         self._xfers[h] = _Xfer(op, peer, nx, time.monotonic() + self.timeout)
         return h  # type: ignore[return-value]  (XferHandle is an int)
+
+    def _hold(self, p: _Peer, name: str | None) -> None:
+        """Before a copy with same-host ``p``: its ``deregister`` now waits for
+        ``_unhold_peer`` (``EpochWatch.hold``: one shared flock per watch, so
+        counted over threads).  ``RemoteRejected`` if it deregistered memory since its
+        metadata was loaded (it may be draining now): no copy may start."""
+        with self._lock:
+            p.holds += 1
+            w = p.epoch
+            if w is None:  # dropped meanwhile (its watch closed): the post fails on its closed endpoint
+                return
+            held = p.holds > 1 or w.hold()  # False only while it drains, its counter moved
+            if held and not w.stale:
+                return
+            if held:
+                self._unhold_peer(p)
+            else:
+                p.holds -= 1
+        raise RemoteRejected(f"peer {name!r} deregistered memory since its metadata was loaded; "
+                             "re-add its metadata (it may no longer offer these rows)")
+
+    def _unhold_peer(self, p: _Peer) -> None:
+        with self._lock:
+            p.holds -= 1
+            if not p.holds and p.epoch is not None:
+                p.epoch.release()
 
     def _post_failed(self, op: Op, peer: _Peer, name: str | None, e: Exception) -> XferHandle:
         """post() found the peer's endpoint or keys closed (by another thread
