@@ -5,7 +5,8 @@ a read lands.
 
 Host buffers come from ``kvt.memory`` (shared segments), so same-host peers
 on the host backend reach them at memcpy speed.  Copies are one
-``index_copy_`` per buffer (vectorised over blocks); an engine with its own
+``index_copy_`` per buffer (vectorised over blocks) on same-size integer
+views, so every dtype moves bit for bit (fp8 too); an engine with its own
 kernels passes ``copy_blocks`` instead.
 """
 
@@ -38,10 +39,23 @@ def copy_blocks(src: Sequence, dst: Sequence, block_ids: Sequence[int], directio
         return on[device]
 
     for s, d in zip(src, dst):
+        s, d = _bits(s), _bits(d)
         picked = s.index_select(0, index(s.device))
         d.index_copy_(0, index(d.device), picked.to(d.device, non_blocking=direction == "h2d"))
     if direction == "h2d" and torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _bits(t):
+    """``t`` as integers of its element size: a copy moves bits, and torch's
+    index ops lack some dtypes (fp8 on CPU)."""
+    import torch
+
+    name = _BITS.get(t.element_size())
+    return t if name is None else t.view(getattr(torch, name))
 
 
 class HostStaging:
