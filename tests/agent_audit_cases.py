@@ -51,43 +51,56 @@ def dropped_transfers_are_released(backend: str) -> None:
         assert held <= 2, f"{held} transfer handles held after 100 dropped transfers"
 
 
+def _race(post, mutate, tolerated: tuple) -> None:
+    """Two threads run ``post()`` in a loop while this one runs ``mutate()``:
+    any exception but ``tolerated`` is the failure."""
+    wrong: list[str] = []
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            try:
+                post()
+            except tolerated:
+                pass
+            except Exception as e:  # noqa: BLE001 - any escape is the failure
+                wrong.append(f"{type(e).__name__}: {e}")
+                return
+
+    threads = [threading.Thread(target=loop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        mutate()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not wrong, wrong[:3]
+
+
 def posting_survives_concurrent_refresh(backend: str) -> None:
     """Threads post transfers while another re-adds the peer (what
     ``reconnect`` does by itself after a failure) or replaces the layout:
     every post succeeds; none fails on a prep the refresh released."""
+    from kvt.errors import PeerDisconnected
     a, b, peer, abuf = pair(backend, tcp=True)
     info = b.info()
-    errors: list[str] = []
-    stop = threading.Event()
 
     def post():
-        from kvt.errors import PeerDisconnected
-        while not stop.is_set():
-            try:
-                with a.read_blocks(peer, [1, 2], [3, 4]) as x:
-                    x.wait(10)
-            except PeerDisconnected:  # ucx drops its endpoint to a re-added peer, even an unchanged one
-                pass
-            except Exception as e:  # noqa: BLE001 - any escape is the failure
-                errors.append(f"{type(e).__name__}: {e}")
-                return
+        with a.read_blocks(peer, [1, 2], [3, 4]) as x:
+            x.wait(10)
 
-    with a, b:
-        threads = [threading.Thread(target=post) for _ in range(2)]
-        for t in threads:
-            t.start()
-        try:
-            for i in range(300):
-                if i % 2:
-                    a.add_peer(info)
-                else:
-                    a.register_blocks("kv", [abuf[0], abuf[1]])
-                time.sleep(0.001)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
-        assert not errors, errors[:3]
+    def refresh():
+        for i in range(300):
+            if i % 2:
+                a.add_peer(info)
+            else:
+                a.register_blocks("kv", [abuf[0], abuf[1]])
+            time.sleep(0.001)
+
+    with a, b:  # ucx drops its endpoint to a re-added peer, even an unchanged one
+        _race(post, refresh, (PeerDisconnected,))
 
 
 def removed_peer_is_unknown(backend: str) -> None:
@@ -96,33 +109,18 @@ def removed_peer_is_unknown(backend: str) -> None:
     from kvt.errors import PeerDisconnected, UnknownPeer
     a, b, peer, _ = pair(backend, tcp=True)
     info = b.info()
-    wrong: list[str] = []
-    stop = threading.Event()
 
     def post():
-        while not stop.is_set():
-            try:
-                with a.read_blocks(peer, [1], [3]) as x:
-                    x.wait(10)
-            except (UnknownPeer, PeerDisconnected):
-                pass
-            except Exception as e:  # noqa: BLE001 - any escape is the failure
-                wrong.append(f"{type(e).__name__}: {e}")
-                return
+        with a.read_blocks(peer, [1], [3]) as x:
+            x.wait(10)
+
+    def churn():
+        for _ in range(2000):
+            a.remove_peer(peer)
+            a.add_peer(info)
 
     with a, b:
-        threads = [threading.Thread(target=post) for _ in range(2)]
-        for t in threads:
-            t.start()
-        try:
-            for _ in range(2000):
-                a.remove_peer(peer)
-                a.add_peer(info)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
-        assert not wrong, wrong[:3]
+        _race(post, churn, (UnknownPeer, PeerDisconnected))
 
 
 def cancelled_await_is_released(backend: str) -> None:
