@@ -115,7 +115,20 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's metadata (re-loading refreshes it); returns the peer's
-        agent name.  Malformed bytes raise ``WireError``."""
+        agent name.  Malformed bytes raise ``WireError``.
+
+        Re-loading a loaded peer:
+
+        * the same metadata, the peer not failed: changes nothing; its
+          connection and transfers in flight are left alone
+          (``kvt.Agent.reconnect`` re-adds unchanged metadata after one
+          transfer failed);
+        * the same metadata of a peer the backend gave up on (it stopped
+          answering or its connection broke): reconnects it;
+        * metadata of a new incarnation (same name, a restarted process):
+          replaces the peer; what was in flight to the old one ends ``ERR``
+          (``PeerDisconnected``) at once.
+        """
 
     @abc.abstractmethod
     def remove_remote(self, peer: str) -> None:

@@ -229,8 +229,9 @@ class BackendFixtures:
 
     @pytest.fixture
     def spawn_peer(self, target: Target):
-        """``spawn_peer(**option_overrides)``: a dedicated peer process (one a
-        test may stop or kill); killed after the test."""
+        """``spawn_peer(name=None, **option_overrides)``: a dedicated peer
+        process (one a test may stop or kill; ``name``: its agent's, to stand
+        for a restarted peer); killed after the test."""
         made: list[peers.ProcessPeer] = []
 
         def spawn(**options: Any) -> PeerView:

@@ -329,9 +329,10 @@ def _python_path() -> str:
 class ProcessPeer:
     """A peer agent in a child process, driven over kvt's handshake channel."""
 
-    def __init__(self, target: Target, start_timeout: float = 60.0, **options: Any):
+    def __init__(self, target: Target, start_timeout: float = 60.0, name: str | None = None, **options: Any):
         self.target = target
-        name = f"kvt-conformance-peer-{os.getpid()}-{next(_peer_ids)}"
+        # a name already in use stands for that peer restarted (a new process)
+        name = name or f"kvt-conformance-peer-{os.getpid()}-{next(_peer_ids)}"
         spec = {"target": target.spec, "name": name,
                 "options": {**target.options, **options, **json.loads(os.environ.get(_ENV_OPTIONS) or "{}")}}
         env = {**os.environ, "PYTHONPATH": _python_path()}

@@ -288,6 +288,19 @@ class BrokenNotifOnRefusal(ExampleBackend):
         super()._run(job)
 
 
+class BrokenReaddDropsPeer(ExampleBackend):
+    """Test double: ``add_remote`` of a peer already loaded, even with its
+    metadata unchanged, reconnects it: what was in flight to it ends ERR (as
+    the ucx backend once dropped the endpoint of a live peer re-added)."""
+
+    def add_remote(self, metadata):
+        name = super().add_remote(metadata)
+        for job in list(self._xfers.values()):
+            if job.peer == name:
+                job.finish(XferState.err(PeerDisconnected(f"peer {name!r} was replaced by new metadata")))
+        return name
+
+
 #: the suites a variant runs, where not every suite: each double made for one contract runs the suites
 #: that test it and those it must still pass (running all of them again mostly re-tests the example)
 SUITES = {
@@ -300,6 +313,7 @@ SUITES = {
     "BrokenMetadataLeaksValueError": ("TransferTests", "MetadataTests"),
     "BrokenNotifOnRefusal": ("NotificationTests", "OwnerCheckTests"),
     "BrokenEmptyPeerName": ("TransferTests", "MetadataTests"),
+    "BrokenReaddDropsPeer": ("TransferTests", "MetadataTests"),
 }
 
 #: the unbroken backend first: the control every variant is compared with
@@ -307,4 +321,4 @@ VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDon
             BrokenNoBoundsCheck, BrokenEarlyNotif, BrokenCrossHost, BrokenDropsNotifs, BrokenDeregisterNoDrain,
             BrokenReleaseReturnsEarly, BrokenNotifAfterFirstRequest, BrokenRangeArithmetic,
             BrokenOwnerChecksStartsOnly, BrokenPeerOnlyNoPairCheck, BrokenMetadataLeaksValueError,
-            BrokenNotifOnRefusal, BrokenEmptyPeerName)
+            BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenReaddDropsPeer)

@@ -1,20 +1,23 @@
 """Metadata: a round trip through kvt's handshake channel in both
-directions, refresh after new registrations, remove_remote, and malformed
-metadata rejected with a typed error that leaves the backend usable."""
+directions, refresh after new registrations, re-adding a peer (live, given
+up, restarted), remove_remote, and malformed metadata rejected with a typed
+error that leaves the backend usable."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 import msgspec
 import numpy as np
 import pytest
-from kvt.errors import InvalidDescriptor, KvtError, UnknownPeer, WireError
+from kvt.errors import InvalidDescriptor, KvtError, TransferError, UnknownPeer, WireError
 from kvt.handshake import HandshakeServer, request
 from kvt.types import Op
 from kvt.wire import AgentInfo, encode
 
-from ..fixtures import BackendFixtures, expect_done
+from ..fixtures import BackendFixtures, expect_done, settle, settle_all
+from ..requirements import requires
 from ._common import assert_bytes
 
 _MALFORMED = {
@@ -104,6 +107,107 @@ class MetadataTests(BackendFixtures):
             backend.prep(peer.name, late.blocks(256, [0]))
         assert backend.add_remote(peer.metadata()) == peer.name
         backend.prep(peer.name, late.blocks(256, [0]))
+
+    def test_readding_unchanged_metadata_leaves_transfers_in_flight_alone(self, make_backend, local_buffer, peer,
+                                                                          spawn_peer, target, op, wait_for):
+        """Re-adding a live peer's metadata, unchanged, changes nothing:
+        transfers in flight to it end DONE with the right bytes and new ones
+        work (``kvt.Agent.reconnect`` re-adds unchanged metadata when one
+        transfer failed; that must not cost the others).  A peer process is
+        stopped meanwhile, both sides built with ``cross_host_options`` so the
+        transfers really wait for it, and resumed by a timer (``add_remote``
+        may wait for it, bounded by the timeout); an in-process peer gets
+        enough transfers that most are still queued."""
+        remote = target.caps.remote
+        opts = dict(target.caps.cross_host_options) if remote else {}
+        backend = make_backend(**opts)
+        other = spawn_peer(**opts) if remote else peer
+        n, block = (8, 64 << 10) if remote else (64, 1 << 20)
+        far = other.alloc(n * block, seed=3 if op is Op.READ else None)
+        md = other.metadata()
+        name = backend.add_remote(md)
+        near = local_buffer(n * block, seed=None if op is Op.READ else 3, owner=backend)
+        lp, rp = backend.prep(None, near.blocks(block, range(n))), backend.prep(name, far.blocks(block, range(n)))
+        resume = threading.Timer(1.0, other.resume) if remote else None
+        if remote:
+            other.stop()
+        try:
+            posted = [backend.transfer(op, lp, [i], rp, [i]) for i in range(n)]
+            if remote:
+                resume.start()
+            assert backend.add_remote(md) == name
+            states = settle_all(backend, posted, wait_for)
+        finally:
+            if remote:
+                resume.cancel()
+                other.resume()
+        failed = [s for s in states if not s.done]
+        assert not failed, (f"{len(failed)} of {n} transfers in flight when the peer's unchanged metadata was "
+                            f"re-added ended {failed[0]!r}; re-adding the metadata of a live peer must leave "
+                            "its connection and transfers alone")
+        assert_bytes(near.read(), far.read(), "transfers in flight across the re-add")
+        if op is Op.READ:  # new contents at the source, so the second transfer has to move them
+            other.fill_blocks(far.key, block, list(range(n)), 4)
+        else:
+            near.fill(4)
+        expect_done(backend, backend.transfer(op, lp, None, rp, None), wait_for)
+        assert_bytes(near.read(), far.read(), "a transfer posted after the re-add")
+
+    @requires("remote")
+    def test_readding_a_given_up_peer_reconnects_it(self, make_backend, local_buffer, spawn_peer, target, wait_for):
+        """A peer that stopped answering past the timeout may be given up (its
+        transfer ends ERR, later ones fail at once); re-adding its metadata,
+        unchanged, once it answers again resets it: transfers work again."""
+        opts = dict(target.caps.cross_host_options)
+        backend = make_backend(timeout=2.0, **opts)
+        victim = spawn_peer(**opts)
+        op = self._first_op(target)
+        far = victim.alloc(1 << 18, seed=5 if op is Op.READ else None)
+        md = victim.metadata()
+        name = backend.add_remote(md)
+        near = local_buffer(1 << 18, seed=None if op is Op.READ else 5, owner=backend)
+        lp, rp = backend.prep(None, near.blocks(4096, range(64))), backend.prep(name, far.blocks(4096, range(64)))
+        victim.stop()
+        try:
+            state = settle(backend, backend.transfer(op, lp, None, rp, None), wait_for)
+        finally:
+            victim.resume()
+        if state.done:
+            pytest.skip(f"the {op.value} completed with the peer stopped, even with {opts}: nothing stalled")
+        assert backend.add_remote(md) == name
+        expect_done(backend, backend.transfer(op, lp, None, rp, None), wait_for)
+        assert_bytes(near.read(), far.read(), "a transfer after re-adding a given-up peer")
+
+    @requires("remote")
+    def test_new_incarnation_replaces_the_peer(self, make_backend, local_buffer, spawn_peer, target, wait_for):
+        """Metadata of a restarted peer (the same agent name, a new process)
+        replaces the old one: a transfer in flight to the old process ends
+        ERR, and new transfers reach the new process."""
+        opts = dict(target.caps.cross_host_options)
+        backend = make_backend(**opts)
+        old = spawn_peer(**opts)
+        op = self._first_op(target)
+        obuf = old.alloc(1 << 18, seed=6)
+        name = backend.add_remote(old.metadata())
+        near = local_buffer(1 << 18, seed=None if op is Op.READ else 7, owner=backend)
+        lp, orp = backend.prep(None, near.blocks(4096, range(64))), backend.prep(name, obuf.blocks(4096, range(64)))
+        new = spawn_peer(name=name, **opts)
+        nbuf = new.alloc(1 << 18, seed=8 if op is Op.READ else None)
+        old.stop()
+        try:
+            h = backend.transfer(op, lp, None, orp, None)
+            assert backend.add_remote(new.metadata()) == name
+            state = backend.wait(h, target.timeout / 2)
+        finally:
+            old.resume()
+        assert not state.pending, (f"the {op.value} to the old process was still PROC {target.timeout / 2:g}s after "
+                                   "its new incarnation's metadata was added; it must end ERR then, not when "
+                                   "the old process misses the timeout")
+        if state.failed:  # DONE: it completed before the re-add (a same-host shortcut read the stopped process)
+            assert isinstance(state.cause, TransferError), f"ERR cause {state.cause!r} is not a TransferError"
+        expect_done(backend, backend.transfer(op, lp, None, backend.prep(name, nbuf.blocks(4096, range(64))), None),
+                    wait_for)
+        assert_bytes(near.read(), nbuf.read(), "a transfer to the new incarnation")
 
     @pytest.mark.parametrize("how", list(_MALFORMED))
     def test_malformed_metadata(self, backend, local_buffer, peer, target, wait_for, how):

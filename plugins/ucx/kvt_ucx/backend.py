@@ -301,6 +301,11 @@ class UcxBackend(Backend):
             raise WireError(f"peer name must be 1 to {_MAX_NAME} characters, got {len(md.name)}")
         if md.name == self.agent_name:
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
+        old = self._peers.get(md.name)
+        if old is not None and old.md == md and old.failed is None and not old.dropped and old.ep.error() == 0:
+            # unchanged metadata of a live peer (kvt.Agent.reconnect sends it): keep its endpoint, or
+            # what is in flight to it would fail; a failed or disconnected one is reconnected below
+            return md.name
         peer = self._connect(md)
         with self._lock:
             old = self._peers.pop(md.name, None)

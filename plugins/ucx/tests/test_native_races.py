@@ -45,7 +45,8 @@ def _run(body: str, timeout: float = 90) -> str:
 def test_transfers_while_the_peer_is_replaced():
     """Public API: one thread transfers to B (256 rows: post releases the GIL)
     while another re-adds B's metadata, which closes the old endpoint and
-    keys (UcxBackend._drop).  Every transfer either runs or raises a kvt error."""
+    keys (UcxBackend._drop): two versions of it in turn (unchanged metadata
+    would keep the endpoint).  Every transfer either runs or raises a kvt error."""
     out = _run("""
         from kvt_ucx import UcxBackend
         from kvt.types import Descs, Op
@@ -57,6 +58,9 @@ def test_transfers_while_the_peer_is_replaced():
         B.register(Descs.from_buffers([b]))
         mdB = B.local_metadata()
         A.add_remote(mdB)
+        c = np.ones(4096, np.uint8)
+        B.register(Descs.from_buffers([c]))
+        versions = [mdB, B.local_metadata()]
         N = 256
         pl = A.prep(None, Descs.from_blocks(a.ctypes.data, 2048, np.arange(0, 2 * N, 2)))
         pr = A.prep("B", Descs.from_blocks(b.ctypes.data, 2048, np.arange(0, 2 * N, 2)))
@@ -70,9 +74,10 @@ def test_transfers_while_the_peer_is_replaced():
                     counts["errors"] += 1
         t = threading.Thread(target=mover)
         t.start()
-        deadline = time.monotonic() + SECONDS
+        deadline, i = time.monotonic() + SECONDS, 0
         while time.monotonic() < deadline:
-            A.add_remote(mdB)
+            i += 1
+            A.add_remote(versions[i % 2])
         stop = True
         t.join()
         h = A.transfer(Op.READ, pl, None, pr, None)  # the last endpoint still works
