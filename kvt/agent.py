@@ -154,7 +154,7 @@ class Transfer:
     manager); one dropped unreleased is released by its agent later."""
 
     __slots__ = ("_agent", "_backend", "handle", "nbytes", "descs", "peer", "verify",
-                 "_t0", "_t1", "_t2", "_released")
+                 "_t0", "_t1", "_t2", "_live")
 
     def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int, descs: int = 0, t0: int | None = None,
                  peer: str | None = None):
@@ -166,10 +166,10 @@ class Transfer:
         #: with integrity checks on: proves the landed bytes once DONE (raises IntegrityError)
         self.verify = None
         self._t2: int | None = None
-        self._released = False
+        self._live = [True]  # emptied by the one release that frees the handle (list.pop is atomic)
 
     def state(self) -> XferState:
-        if self._released:
+        if not self._live:
             raise InvalidHandle(f"transfer {self.handle} was released; its state is gone (telemetry stays)")
         s = self._backend.check_state(self.handle)
         if self._t2 is None and s.status is not _PROC:
@@ -228,14 +228,16 @@ class Transfer:
         backend can, else waits for its posted bytes (bounded by the backend's
         timeout).  Idempotent for this object, and nothing to do once the
         agent is closed (``close`` released every handle)."""
-        if not self._released:
-            self._released = True
-            if self._agent._closed:
-                return
-            try:
-                self._backend.release(self.handle)
-            except ClosedError:  # closed meanwhile: close released it
-                pass
+        try:
+            self._live.pop()  # one thread wins; a concurrent second release finds it empty
+        except IndexError:
+            return
+        if self._agent._closed:
+            return
+        try:
+            self._backend.release(self.handle)
+        except ClosedError:  # closed meanwhile: close released it
+            pass
 
     def _release_quietly(self) -> None:
         try:
@@ -248,7 +250,7 @@ class Transfer:
         # agent releases it on its next post; never from here, since a finalizer may run
         # inside a backend call that holds the backend's lock
         try:
-            if not self._released and not self._agent._closed:
+            if self._live and not self._agent._closed:
                 self._agent._orphans.append(self.handle)
         except AttributeError:  # half-built, or torn down at interpreter exit
             pass

@@ -36,9 +36,9 @@ from kvt.auth import Secret
 from kvt.epoch import Epoch, EpochWatch
 from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
 from kvt.procs import host_id, start_time
-from kvt.errors import (AuthenticationError, ConfigError, HandshakeError, HandshakeTimeout, InvalidArgument,
-                        KvtError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError, TransferTimeout,
-                        WireError)
+from kvt.errors import (AuthenticationError, ClosedError, ConfigError, HandshakeError, HandshakeTimeout,
+                        InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError,
+                        TransferTimeout, WireError)
 from kvt.handshake import open_session
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState, as_index)
@@ -77,14 +77,15 @@ class _Job:
     completion vs cancellation); a waiter blocks on ``event``, made only
     when someone waits on a job still in flight."""
 
-    __slots__ = ("op", "lrows", "lkind", "rrows", "rkind", "notif", "peer", "rmapped", "state", "future", "event",
-                 "nbytes", "indexed", "stream")
+    __slots__ = ("op", "lrows", "lkind", "rrows", "rkind", "notif", "peer", "rmapped", "rgen", "state", "future",
+                 "event", "nbytes", "indexed", "stream")
 
     def __init__(self, op: Op, lrows: np.ndarray, lkind: MemKind, rrows: np.ndarray, rkind: MemKind,
                  notif: bytes | None, peer: "_Peer | None", rmapped: np.ndarray | None = None):
         self.op, self.lrows, self.lkind, self.rrows, self.rkind = op, lrows, lkind, rrows, rkind
         self.notif, self.peer = notif, peer
         self.rmapped = rmapped  # remote rows, mapped into our address space (shm path)
+        self.rgen = 0  # the peer's mapping generation rmapped belongs to (void once it moved)
         self.state = XferState.PROC
         self.indexed = None  # (lp, li, rp, ri, lengths, checked): queued for the one-call path
         self.future = None
@@ -134,16 +135,30 @@ def _held(peer: "_Peer | None", copy, *args):
         peer.epoch.release()
 
 
+def _unless_stale(peer: "_Peer", copy, *args) -> bool:
+    """``copy(*args)`` unless the owner's epoch moved, checked inside ``_held``:
+    a deregistration that bumped it before our hold did not wait for this copy."""
+    if peer.epoch.stale:
+        return False
+    copy(*args)
+    return True
+
+
 class _Lane:
     """One worker thread, plus the right to run a job on the caller's thread
     instead when the lane is idle: small same-host copies then skip a thread
-    hand-off, and jobs on a lane still never overlap (so they stay in order
-    and share the lane's socket safely)."""
+    hand-off, and jobs on a lane still never overlap (so they stay in order,
+    share the lane's socket safely, and a peer's teardown, itself a job,
+    never runs under a copy using its mappings or epoch page)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, limit: float):
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._lock = threading.Lock()
-        self._busy = 0  # jobs queued or running
+        self._busy = 0  # jobs queued or running, plus a caller holding the lane (enter)
+        self._here = False  # a caller holds it: the worker waits for its leave before its next job
+        self._waiting = 0  # workers waiting for that (so leave skips the notify when none is)
+        self._left = threading.Condition(self._lock)
+        self._limit = limit  # longest a caller may hold it: one request, bounded by the backend's timeout
 
     def submit(self, fn, *args):
         with self._lock:
@@ -156,9 +171,22 @@ class _Lane:
 
     def _counted(self, fn, *args):
         try:
+            self.wait_caller()
             return fn(*args)
         finally:
             self._done()
+
+    def wait_caller(self) -> bool:
+        """Wait until no caller holds the lane (none can start once a job is
+        queued); False if one still did after the limit."""
+        if not self._here:
+            return True
+        with self._lock:
+            self._waiting += 1
+            try:
+                return self._left.wait_for(lambda: not self._here, self._limit)
+            finally:
+                self._waiting -= 1
 
     def _done(self) -> None:
         with self._lock:
@@ -177,19 +205,18 @@ class _Lane:
             if self._busy:
                 return False
             self._busy += 1
+            self._here = True
             return True
 
     def leave(self) -> None:
-        self._done()
-
-    def run_inline(self, fn, *args) -> bool:
-        """Run ``fn`` here and now if the lane is idle; False if it is not."""
         with self._lock:
-            if self._busy:
-                return False
-            self._busy += 1
-        self._counted(fn, *args)
-        return True
+            self._busy -= 1
+            self._here = False
+            if self._waiting:
+                self._left.notify_all()
+
+
+_NO_SEGS = (Descs.from_regions(np.zeros(0, np.uint64), np.zeros(0, np.uint64)), np.zeros(0, np.uint64))
 
 
 def _incarnation(md: HostMetadata) -> tuple:
@@ -201,7 +228,7 @@ class _Peer:
     """What we know of a remote agent, and the lane that talks to it."""
 
     def __init__(self, md: HostMetadata, transport: str, secret: Secret | None = None, timeout: float = 30.0):
-        self.name, self.lane = md.name, _Lane(f"kvt-host->{md.name}")
+        self.name, self.lane = md.name, _Lane(f"kvt-host->{md.name}", timeout + 1)
         self._sock: zmq.Socket | None = None
         self.secret, self.timeout = secret, timeout
         self.session = None  # kvt.auth.ClientSession of the socket, with a secret
@@ -211,6 +238,7 @@ class _Peer:
         self._pidfd: int | None = None
         self._maps: dict[int, tuple[int, int]] = {}  # remote segment base -> (local address, size)
         self.gen = 0  # bumped when the mappings go: preps holding their addresses are then void
+        self._segs = _NO_SEGS  # (remote segment rows, our addresses of them): see mapped()
         self.epoch: EpochWatch | None = None
         self.update(md, transport)
 
@@ -239,17 +267,19 @@ class _Peer:
                         pass  # not allowed to map it (or smaller than claimed): cma or tcp will do
         bases = np.array(list(self._maps), np.uint64)
         sizes = np.array([s for _, s in self._maps.values()], np.uint64)
-        self._seg_rows = Descs.from_regions(bases, sizes)
-        self._seg_local = np.array([a for a, _ in self._maps.values()], np.uint64)
+        # one assignment: prep (any thread) reads a consistent pair
+        self._segs = (Descs.from_regions(bases, sizes), np.array([a for a, _ in self._maps.values()], np.uint64))
 
     def mapped(self, rows: np.ndarray) -> np.ndarray | None:
-        """Our addresses for remote ``rows`` if all lie in mapped segments."""
-        if not len(self._seg_rows):
+        """Our addresses for remote ``rows`` if all lie in mapped segments
+        (read ``gen`` first: they hold while it stays)."""
+        seg_rows, seg_local = self._segs
+        if not len(seg_rows):
             return None
-        where = Descs(rows).locate(self._seg_rows)
+        where = Descs(rows).locate(seg_rows)
         if (where < 0).any():
             return None
-        return self._seg_local[where] + (rows[:, 0] - self._seg_rows.addrs[where])
+        return seg_local[where] + (rows[:, 0] - seg_rows.addrs[where])
 
     def alive(self) -> bool:
         if not self.local_pid:
@@ -309,7 +339,15 @@ class _Peer:
         self._sock, self.session = None, None
 
     def close(self) -> None:
+        """On its lane's worker (or once the lane is shut down): no copy is using what goes."""
         self.gen += 1
+        self.same_host = self.cma_ok = False
+        self.failed = PeerDisconnected(f"peer {self.name!r} was removed (or its agent closed); "
+                                       "add its metadata again and retry")
+        self._segs = _NO_SEGS
+        if not self.lane.wait_caller():  # a caller still copies with them (should not happen): leave them be
+            self._maps.clear()
+            self.epoch, self._pidfd = None, None
         self._watch(None)
         if self.epoch is not None:
             self.epoch.close()
@@ -390,9 +428,9 @@ class HostBackend(Backend):
         self._xfers = HandleTable("transfer")
         self._peers = PeerTable()  # name -> _Peer
         self._inbox = Inbox()
-        self._local = _Lane("kvt-host-local")
         #: transfers up to this many bytes between host memory on this host run in the calling thread
         self.inline_bytes = int(self.options.get("inline_bytes", 16 << 20))
+        self._local = _Lane("kvt-host-local", self.timeout + 1)
         self._epoch = Epoch()
         key = self.options.get("auth_key")  # set by the Agent from configuration auth_key
         self._secret = None if key is None else Secret(key)
@@ -445,33 +483,43 @@ class HostBackend(Backend):
         md = decode(metadata, HostMetadata)
         if md.name == self.agent_name:
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
-        with self._lock:
+        with self._lock:  # (close takes it too: no peer is added behind its back)
+            self._check_open()
             peer = self._peers.get(md.name)
             if peer is None:
                 self._peers[md.name] = _Peer(md, self.transport, self._secret, self.timeout)
-            else:  # on the peer's worker, between its transfers
+            else:  # on the peer's worker, between its transfers (never under a copy using what it replaces)
                 if _incarnation(md) != _incarnation(peer.md):
                     self._fail_jobs(peer, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
                                                            "this transfer was meant for the old one"))
                 try:
-                    peer.lane.submit(peer.update, md, self.transport).result(timeout=self.timeout)
+                    peer.lane.submit(peer.update, md, self.transport).result(timeout=2 * self.timeout + 2)
                 except FuturesTimeout:
-                    raise KvtTimeoutError(f"peer {md.name!r} stayed busy for {self.timeout:g}s; "
-                                          "its metadata was not refreshed") from None
+                    raise KvtTimeoutError(f"peer {md.name!r} stayed busy for {2 * self.timeout + 2:g}s; "
+                                          "its metadata was not refreshed: add it again") from None
         return md.name
 
     def remove_remote(self, peer: str) -> None:
         self._check_open()
         with self._lock:
+            self._check_open()
             p = self._peers.remove(peer)
-            self._fail_jobs(p, PeerDisconnected(f"peer {peer!r} was removed"))
-        p.lane.submit(p.close)
+            self._fail_jobs(p, PeerDisconnected(f"peer {peer!r} was removed; add its metadata again and retry"))
+        done = p.lane.submit(p.close)  # after its running job (cut short above) and a caller's copy
         p.lane.pool.shutdown(wait=False)
+        try:  # when we return, nothing more of its transfers lands, here or there
+            done.exception(timeout=2 * self.timeout + 2)  # (a teardown that failed still leaves it unused)
+        except FuturesTimeout:
+            raise KvtTimeoutError(f"peer {peer!r} is removed, but a transfer to it was still running after "
+                                  f"{2 * self.timeout + 2:g}s (this should not happen: report it)") from None
 
     def _fail_jobs(self, peer: _Peer, cause: TransferError) -> None:
-        for job in self._xfers.values():
+        for job in list(self._xfers.values()):  # a copy: posts add to it without our lock
             if job.peer is peer:
                 job.finish(XferState.err(cause))
+                with _settle:  # a stream move stops now, as on release
+                    if job.stream is not None:
+                        job.stream.abort()
 
     # -- transfers ------------------------------------------------------------
 
@@ -479,14 +527,15 @@ class HostBackend(Backend):
         descs = self._prep_descs(descs)
         owner = None if peer is None else self._peers[peer]
         self._within(descs, self._regions.of(descs.kind) if owner is None else owner.regions.get(descs.kind), peer)
-        # translate once here, so the shm path costs no lookup per transfer
+        # translate once here, so the shm path costs no lookup per transfer; the generation first:
+        # if the mappings go meanwhile, it is already old and the addresses are never used
+        gen = 0 if owner is None else owner.gen
         mapped = owner.mapped(descs.array) if owner is not None and descs.kind is MemKind.DRAM else None
-        p = _Prep(peer, descs, mapped)
+        p = _Prep(peer, descs, mapped, owner=owner, gen=gen)
         if descs.kind is MemKind.DRAM and (owner is None or mapped is not None):
             p.addrs = np.ascontiguousarray(descs.addrs if owner is None else mapped, np.uint64)
             uniform = descs.uniform_length
             p.lengths = uniform if uniform is not None else np.ascontiguousarray(descs.lengths)
-            p.owner, p.gen = owner, 0 if owner is None else owner.gen
         h = self._next_id()
         self._preps[h] = p
         return PrepHandle(h)
@@ -508,20 +557,37 @@ class HostBackend(Backend):
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
         peer = None if rp.peer is None else self._peers[rp.peer]
         li, ri, lrows, rrows = self._pair_indexed(lp.descs, local_idx, rp.descs, remote_idx)
+        # mapped addresses only of this very peer object (not of one removed and added again)
         job = _Job(op, lrows, lp.descs.kind, rrows, rp.descs.kind, None if notif is None else bytes(notif), peer,
-                   None if rp.mapped is None else rp.mapped[ri])
+                   None if rp.mapped is None or rp.owner is not peer else rp.mapped[ri])
+        job.rgen = rp.gen
         uniform = lp.descs.uniform_length
         job.nbytes = len(li) * uniform if uniform is not None else int(lrows[:, 1].sum())
         h = self._next_id()
         self._xfers[h] = job
         lane = peer.lane if peer else self._local
-        if self._inline_ok(job) and lane.run_inline(self._run, job):
-            return XferHandle(h)
+        if job.nbytes <= self.inline_bytes and lane.enter():
+            try:  # holding the lane: the peer's state cannot change under the check and the copy
+                inline = self._inline_ok(job)
+                if inline:
+                    self._run(job)
+            finally:
+                lane.leave()
+            if inline:
+                return XferHandle(h)
+        self._submit(lane, job, rp.peer)
+        return XferHandle(h)
+
+    def _submit(self, lane: _Lane, job: _Job, peer: str | None) -> None:
         try:
             job.future = lane.submit(self._run, job)
-        except RuntimeError:  # the peer's worker was shut down by remove_remote in between
-            job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
-        return XferHandle(h)
+        except RuntimeError:  # the worker was shut down (remove_remote or close) in between
+            job.finish(XferState.err(self._gone(peer)))
+
+    def _gone(self, peer: str | None) -> KvtError:
+        if self._closed or peer is None:
+            return ClosedError(f"backend {type(self).__name__} of agent {self.agent_name!r} is closed")
+        return PeerDisconnected(f"peer {peer!r} was removed; add its metadata again and retry")
 
     def _copy_here(self, op: Op, local_prep, local_idx, remote_prep, remote_idx,
                    notif: bytes | None = None) -> XferHandle | None:
@@ -564,17 +630,19 @@ class HostBackend(Backend):
                     return None  # the general path checks again and names the problem
                 if got is None:
                     return None  # it is deregistering: its server judges
+                try:  # (its liveness check reads the peer's pidfd: still holding the lane)
+                    if self._copied(got, op, peer, guards[2]):
+                        job = _DONE
+                    elif got == memcopy.STALE:
+                        return None  # nothing copied: the owner's server judges a stale request
+                except TransferError as e:
+                    job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
+                    job.state = XferState.err(e)
             finally:
                 lane.leave()
-            try:
-                if self._copied(got, op, peer, guards[2]):
-                    job = _DONE
-                elif got == memcopy.STALE:
-                    return None  # nothing copied: the owner's server judges a stale request
-            except TransferError as e:
-                job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
-                job.state = XferState.err(e)
         else:  # queued work first (jobs on a lane stay in order): check the request now, copy on the worker
+            if peer is not None and self._peers.get(peer.name) is not peer:
+                return None  # a prep of a peer since removed (maybe added again): the general path looks it up
             try:
                 got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), 0, 0, 0, -1)
             except (IndexError, ValueError, TypeError, OverflowError):
@@ -585,10 +653,7 @@ class HostBackend(Backend):
             job.indexed = (lp, li, rp, ri, ln, checked)
             h = self._next_id()
             self._xfers[h] = job
-            try:
-                job.future = lane.submit(self._run, job)
-            except RuntimeError:  # the peer's worker was shut down by remove_remote in between
-                job.finish(XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed")))
+            self._submit(lane, job, rp.peer)
             return h
         if job is _DONE and notif is not None:  # the bytes are in place: now the notification
             if peer is None:
@@ -596,9 +661,9 @@ class HostBackend(Backend):
             else:
                 try:
                     lane.submit(self._send_notif, peer, notif)
-                except RuntimeError:  # the peer's worker was shut down by remove_remote in between
+                except RuntimeError:  # the peer's worker was shut down (remove_remote or close) in between
                     job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
-                    job.state = XferState.err(PeerDisconnected(f"peer {rp.peer!r} was removed"))
+                    job.state = XferState.err(self._gone(rp.peer))
         h = self._next_id()
         self._xfers[h] = job
         return h
@@ -651,17 +716,16 @@ class HostBackend(Backend):
             return True
         job.lrows, job.rrows = lp.descs.array[li], rp.descs.array[ri]
         if guards is not None and rp.mapped is not None:
-            job.rmapped = rp.mapped[ri]
+            job.rmapped, job.rgen = rp.mapped[ri], rp.gen
         return False
 
     def _inline_ok(self, job: _Job) -> bool:
         """A small copy between host memory that never touches the network."""
         if job.lkind is not MemKind.DRAM or job.rkind is not MemKind.DRAM:
             return False
-        if job.nbytes > self.inline_bytes:
-            return False
-        p = job.peer
-        return p is None or (p.same_host and not p.epoch.stale and (p.cma_ok or job.rmapped is not None))
+        p = job.peer  # (call holding its lane)
+        return p is None or (p.same_host and not p.epoch.stale and (p.cma_ok or job.rgen == p.gen and
+                                                                   job.rmapped is not None))
 
     def check_state(self, handle: XferHandle) -> XferState:
         if self._closed:
@@ -753,17 +817,17 @@ class HostBackend(Backend):
         if peer.epoch.stale:
             return False
         read = job.op is Op.READ
-        mapped = job.rmapped
+        mapped = job.rmapped if job.rgen == peer.gen else None  # its mappings went since: cma
         if mapped is None and not peer.cma_ok:
             return False
         try:
             if mapped is not None:
                 src, dst = (mapped, local[:, 0]) if read else (local[:, 0], mapped)
-                copied = _held(peer, memops.memcopy, dst, src, local[:, 1])
+                copied = _held(peer, _unless_stale, peer, memops.memcopy, dst, src, local[:, 1])
             else:
-                copied = _held(peer, memops.cma, not read, peer.md.pid, local, job.rrows[:, :2])
-            if copied is None:
-                return False  # it is deregistering: its server judges
+                copied = _held(peer, _unless_stale, peer, memops.cma, not read, peer.md.pid, local, job.rrows[:, :2])
+            if not copied:
+                return False  # it is deregistering or did: its server judges
         except OSError as e:
             if e.errno in (errno.EPERM, errno.ENOSYS):
                 peer.cma_ok = False  # the kernel forbids it here; tcp from now on
@@ -855,7 +919,10 @@ class HostBackend(Backend):
         self._check_open()
         self._check_notif(msg)
         p = self._peers[peer]
-        p.lane.submit(self._send_notif, p, bytes(msg))
+        try:
+            p.lane.submit(self._send_notif, p, bytes(msg))
+        except RuntimeError:  # its worker was shut down (remove_remote or close) in between
+            raise self._gone(peer) from None
 
     def _send_notif(self, peer: _Peer | None, msg: bytes) -> None:
         if peer is None:
@@ -871,14 +938,16 @@ class HostBackend(Backend):
     # -- lifecycle ------------------------------------------------------------
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for job in self._xfers.values():
+        with self._lock:  # add_remote and remove_remote check _closed under it
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+        for job in list(self._xfers.values()):  # a copy: posts add to it without our lock
             job.finish(XferState.err(TransferError("backend closed")))
-        for p in self._peers.values():
+        for p in peers:
             try:
-                p.lane.submit(p.close)  # its sockets belong to its lane's thread
+                p.lane.submit(p.close)  # its sockets belong to its lane's thread; after a caller's copy
                 there = True
             except RuntimeError:  # at interpreter exit pools take no work: close it here once the lane is idle
                 there = False

@@ -1,0 +1,212 @@
+"""The host backend's same-host paths (shm, cma) while other threads re-add,
+remove or close the peer a post is using: a post succeeds or fails with a
+typed kvt error (never a ValueError, AttributeError or a TransferError
+wrapping one), nothing lands after ``remove_remote`` returned, nothing
+crashes or hangs.  Posts go through the backend's verbs in threads of their
+own; the peer is a real process owning the memory."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvt import Agent, Descs, Op
+from kvt.errors import ClosedError, InvalidHandle, KvtError, PeerDisconnected, TransferError, UnknownPeer
+from kvt.agent import fetch_info
+from kvt.wire import decode
+from kvt_host.backend import HostBackend
+from kvt_host.protocol import HostMetadata, rows_of
+
+from peer import BLOCK, NUM_BLOCKS, pattern, peer_process
+
+pytestmark = pytest.mark.timeout(120)
+
+# remote blocks read, local blocks they land in: each block 8 times (2 MiB), so a copy lasts long enough to be raced
+SRC, DST = np.tile(np.arange(NUM_BLOCKS)[::-1], 8), np.tile(np.arange(NUM_BLOCKS), 8)
+
+
+@pytest.fixture(scope="module", params=["shm", "cma"])
+def far(request):
+    """(peer metadata, its block rows): memory in shared segments (shm) or not (cma)."""
+    with peer_process(shared=request.param == "shm") as p:
+        md = fetch_info(p.endpoint, "me", 20).metadata
+        base = int(rows_of(decode(md, HostMetadata).regions["DRAM"])[0, 0])
+        yield md, Descs.from_regions(base + np.arange(NUM_BLOCKS, dtype=np.uint64) * BLOCK, [BLOCK] * NUM_BLOCKS)
+
+
+def _setup(be: HostBackend, md: bytes):
+    local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8)
+    be.register(Descs.from_buffers([local]))
+    return local, be.prep(None, Descs.from_regions(local.ctypes.data + np.arange(NUM_BLOCKS) * BLOCK,
+                                                   [BLOCK] * NUM_BLOCKS)), be.add_remote(md)
+
+
+def _wrong(e: BaseException) -> bool:
+    """Not a typed kvt error saying what happened (or one wrapping a Python error)."""
+    if not isinstance(e, (UnknownPeer, PeerDisconnected, ClosedError, InvalidHandle, TransferError)):
+        return True
+    text = str(e)
+    return type(e) is TransferError and "closed" not in text or "Error:" in text or "descriptor" in text
+
+
+class Posters:
+    """Threads reading SRC into DST through ``be`` until stopped; they keep
+    what went wrong, and re-prep the peer when it is unknown."""
+
+    def __init__(self, be: HostBackend, lp, name: str, rows: Descs, n: int = 2, notify: bool = False):
+        self.be, self.lp, self.name, self.rows, self.notify = be, lp, name, rows, notify
+        self.ok, self.errors, self.wrong = 0, [], []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._post, daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _post(self) -> None:
+        be, rp = self.be, None
+        while not self.stop.is_set():
+            try:
+                if rp is None:
+                    rp = be.prep(self.name, self.rows)
+                h = be.transfer(Op.READ, self.lp, DST, rp, SRC)
+                try:
+                    state = be.wait(h, 10)
+                    assert not state.pending, "a transfer hung"
+                    if state.failed:
+                        raise state.cause
+                finally:
+                    be.release(h)
+                if self.notify:
+                    be.notify(self.name, b"n")
+                self.ok += 1
+            except Exception as e:  # noqa: BLE001 - sorted below
+                self.errors.append(e)
+                if _wrong(e):
+                    self.wrong.append(f"{type(e).__name__}: {e}")
+                if isinstance(e, UnknownPeer):
+                    rp = None
+                elif isinstance(e, ClosedError):
+                    return
+                time.sleep(0.0001)  # a removed peer: let the remover run
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in self.threads), "a post hung"
+
+
+def test_posts_racing_add_remote_of_the_same_peer_all_succeed(far):
+    """``Agent.reconnect`` re-adds unchanged metadata: the epoch page and
+    pidfd are replaced on the peer's lane while posts run on theirs."""
+    md, rows = far
+    with Agent(name="me", options={"timeout": 5}) as me:
+        local, lp, name = _setup(me.backend, md)
+        posters = Posters(me.backend, lp, name, rows)
+        try:
+            for i in range(600):
+                me.backend.add_remote(md)
+                time.sleep(0.0005 * (i % 3))
+        finally:
+            posters.join()
+        assert not posters.errors, [f"{type(e).__name__}: {e}" for e in posters.errors[:3]]
+        assert posters.ok and np.array_equal(local[DST], pattern()[SRC])
+
+
+@pytest.mark.parametrize("inline_bytes", [1 << 24, 1], ids=["inline", "worker"])
+def test_posts_racing_remove_remote_fail_typed_and_land_nothing_after_it(far, inline_bytes):
+    md, rows = far
+    with Agent(name="me", options={"timeout": 5, "inline_bytes": inline_bytes}) as me:
+        be = me.backend
+        local, lp, name = _setup(be, md)
+        posters = Posters(be, lp, name, rows, notify=True)
+        landed = 0
+        try:
+            for i in range(300):
+                time.sleep(0.0005 * (i % 3))
+                be.remove_remote(name)
+                local[:] = 0
+                time.sleep(0.001)  # posts meanwhile must not land
+                landed += bool(local.any())
+                be.add_remote(md)
+        finally:
+            posters.join()
+        assert not posters.wrong, posters.wrong[:3]
+        assert not landed, f"bytes landed after remove_remote returned, {landed} times of 300"
+        assert posters.ok, "no post succeeded"
+
+
+def test_posts_racing_close_fail_typed():
+    """A fresh backend per round, closed while posts to a same-host peer run."""
+    with peer_process(shared=True) as p:
+        md = fetch_info(p.endpoint, "me", 20).metadata
+        base = int(rows_of(decode(md, HostMetadata).regions["DRAM"])[0, 0])
+        rows = Descs.from_regions(base + np.arange(NUM_BLOCKS, dtype=np.uint64) * BLOCK, [BLOCK] * NUM_BLOCKS)
+        wrong, ok = [], 0
+        for i in range(40):
+            be = HostBackend(f"me{i}", {"timeout": 5, "inline_bytes": 1 if i % 2 else 1 << 24})
+            try:
+                _, lp, name = _setup(be, md)
+                posters = Posters(be, lp, name, rows, notify=i % 4 == 3)  # (a notification keeps the lane busy)
+                time.sleep(0.01)
+                be.close()
+                posters.join()
+            finally:
+                be.close()
+            wrong += posters.wrong
+            ok += posters.ok
+        assert not wrong, wrong[:3]
+        assert ok
+
+
+def test_concurrent_release_of_one_transfer_is_quiet():
+    """Two threads release the same Transfer, both past its "released?" check
+    before either marks it: one frees the handle, the other does nothing."""
+    with Agent(name="a", options={"timeout": 5}) as a, Agent(name="b", options={"timeout": 5}) as b:
+        abuf, bbuf = np.zeros((4, 256), np.uint8), np.ones((4, 256), np.uint8)
+        a.register_blocks("kv", [abuf])
+        b.register_blocks("kv", [bbuf])
+        peer = a.add_peer(b.info())
+        for _ in range(5):
+            x = a.read_blocks(peer, [0], [1])
+            x.wait(10)
+            both = threading.Barrier(2)
+            errors = []
+
+            def tracer(frame, event, arg):  # meet the other thread at the release's second line
+                if frame.f_code is type(x).release.__code__:
+                    lines = [0]
+
+                    def step(frame, event, arg):
+                        if event == "line":
+                            lines[0] += 1
+                            if lines[0] == 2:
+                                try:
+                                    both.wait(2)
+                                except threading.BrokenBarrierError:
+                                    pass
+                        return step
+                    return step
+                return None
+
+            def release():
+                sys.settrace(tracer)
+                try:
+                    x.release()
+                except Exception as e:  # noqa: BLE001
+                    errors.append(f"{type(e).__name__}: {e}")
+                finally:
+                    sys.settrace(None)
+
+            threads = [threading.Thread(target=release) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not errors, errors
+            assert x.handle not in a.backend._xfers
+            with pytest.raises(InvalidHandle):
+                x.state()
