@@ -37,8 +37,8 @@ from typing import Any, Mapping
 import numpy as np
 from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
 from kvt.epoch import Epoch, EpochWatch
-from kvt.errors import (ConfigError, InvalidArgument, KvtTimeoutError, PeerDisconnected, RemoteRejected,
-                        TransferError, TransferTimeout, WireError)
+from kvt.errors import (ConfigError, InvalidArgument, PeerDisconnected, RemoteRejected, TransferError,
+                        TransferTimeout, WireError)
 from kvt.procs import host_id, start_time
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle,
                        XferState)
@@ -83,7 +83,6 @@ class _Peer:
     pidfd: int = -1                  # same host: readable once it exited (our own dup of the C watch's)
     failed: TransferError | None = None  # it stopped answering: disconnected until its metadata is re-added
     dropped: bool = False            # its keys and endpoint are closed (once: see _drop)
-    holds: int = 0                   # our threads copying with it now (its deregister waits; one flock)
 
 
 @dataclass(frozen=True)
@@ -227,12 +226,9 @@ class UcxBackend(Backend):
                 if m is not None:
                     m.unmap()
             self._self = None
-            # same-host peers copy with cma, which ignores keys: stop new copies, then wait for those
-            # under way (outside the lock, which our own copies to other peers take meanwhile)
+            # same-host peers copy with cma, which ignores keys: their next posts see this and refuse
+            # (one already under way is not waited for: owner_check "transport", see docs/backends/ucx.md)
             self._epoch.bump()
-        if not self._epoch.drain(self.timeout):
-            raise KvtTimeoutError(f"a same-host peer's transfer still used the deregistered memory after "
-                                  f"{self.timeout:g}s; do not free it yet")
 
     # -- peers ----------------------------------------------------------------
 
@@ -350,10 +346,10 @@ class UcxBackend(Backend):
         if p.pidfd >= 0:
             os.close(p.pidfd)
             p.pidfd = -1
-        with self._lock:  # nothing copies with it any more; closing our open of its page drops our hold
-            if p.epoch is not None:
-                p.epoch.close()
-                p.epoch = None
+        with self._lock:  # our open of its epoch page (a post racing this reads it as not stale)
+            w, p.epoch = p.epoch, None
+        if w is not None:
+            w.close()
 
     def _peer(self, name: str | None) -> _Peer:
         if name is None:
@@ -406,21 +402,15 @@ class UcxBackend(Backend):
             return self._given_up(op, peer)
         if lp.descs.kind is not rp.descs.kind:
             raise InvalidArgument(f"local {lp.descs.kind.value} and remote {rp.descs.kind.value} descriptors")
-        if peer.epoch is None:
-            return self._post(op, peer, lp, local_idx, rp, remote_idx, notif)
-        # a same-host peer: cma copies its memory without it, ignoring its keys, so its deregister
-        # must wait for the copy (kvt.epoch), as for the host backend's same-host copies.  cma
-        # copies inside post(), but for the second lane's half: the hold lasts until that is done
-        self._hold(peer, rp.peer)
+        w = peer.epoch
         try:
-            h = self._post(op, peer, lp, local_idx, rp, remote_idx, notif)
-            x = self._xfers.get(h)
-            if x is not None and x.native is not None and peer.ep.lanes() == 2:
-                while x.native.status() == native.INPROGRESS and time.monotonic() < x.deadline:
-                    pass  # a memory-speed copy of at most a chunk or two
-            return h
-        finally:
-            self._unhold_peer(peer)
+            stale = w is not None and w.stale
+        except ValueError:  # dropped meanwhile (its watch closed): the post fails on its closed endpoint
+            stale = False
+        if stale:
+            raise RemoteRejected(f"peer {rp.peer!r} deregistered memory since its metadata was loaded; "
+                                 "re-add its metadata (it may no longer offer these rows)")
+        return self._post(op, peer, lp, local_idx, rp, remote_idx, notif)
 
     def _post(self, op: Op, peer: _Peer, lp: _Prep, local_idx: Any, rp: _Prep, remote_idx: Any,
               notif: bytes | None) -> XferHandle:
@@ -443,32 +433,6 @@ class UcxBackend(Backend):
         h = next(self._ids)  # the base class's id space (a C iterator: atomic under the GIL)
         self._xfers[h] = _Xfer(op, peer, nx, time.monotonic() + self.timeout)
         return h  # type: ignore[return-value]  (XferHandle is an int)
-
-    def _hold(self, p: _Peer, name: str | None) -> None:
-        """Before a copy with same-host ``p``: its ``deregister`` now waits for
-        ``_unhold_peer`` (``EpochWatch.hold``: one shared flock per watch, so
-        counted over threads).  ``RemoteRejected`` if it deregistered memory since its
-        metadata was loaded (it may be draining now): no copy may start."""
-        with self._lock:
-            p.holds += 1
-            w = p.epoch
-            if w is None:  # dropped meanwhile (its watch closed): the post fails on its closed endpoint
-                return
-            held = p.holds > 1 or w.hold()  # False only while it drains, its counter moved
-            if held and not w.stale:
-                return
-            if held:
-                self._unhold_peer(p)
-            else:
-                p.holds -= 1
-        raise RemoteRejected(f"peer {name!r} deregistered memory since its metadata was loaded; "
-                             "re-add its metadata (it may no longer offer these rows)")
-
-    def _unhold_peer(self, p: _Peer) -> None:
-        with self._lock:
-            p.holds -= 1
-            if not p.holds and p.epoch is not None:
-                p.epoch.release()
 
     def _post_failed(self, op: Op, peer: _Peer, name: str | None, e: Exception) -> XferHandle:
         """post() found the peer's endpoint or keys closed (by another thread
