@@ -129,34 +129,7 @@ class FaultTests(BackendFixtures):
         gives the blocks to the next request).  Run with the backend's
         ``cross_host_options``, so that a stopped peer stalls the READ on one
         host too (same-host shortcuts read a stopped process's memory)."""
-        opts = dict(target.caps.cross_host_options)
-        backend = make_backend(timeout=self.fault_timeout, **opts)
-        victim = spawn_peer(timeout=self.fault_timeout, **opts)
-        vbuf, vname = victim.alloc(BLOCK * N, seed=7), backend.add_remote(victim.metadata())
-        near = local_buffer(BLOCK * N, owner=backend)
-        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
-        victim.stop()
-        try:
-            h = backend.transfer(Op.READ, lp, None, rp, None)
-            state = settle(backend, h, wait_for)
-            if state.done:
-                pytest.skip(f"the READ completed with the peer stopped, even with {opts}: nothing stalled")
-            assert isinstance(state.cause, TransferError), state
-            near.write(np.zeros(BLOCK * N, np.uint8))  # what landed before the ERR is allowed
-            backend.release(h)
-        finally:
-            victim.resume()
-        # the peer answers again: give a late READ every chance to land (a transfer with the
-        # same peer progresses the backend; it may fail, the peer having been given up)
-        other = local_buffer(BLOCK, owner=backend)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            try:
-                settle(backend, backend.transfer(Op.READ, backend.prep(None, other.blocks(BLOCK, [0])), None,
-                                                 backend.prep(vname, vbuf.blocks(BLOCK, [0])), None), wait_for)
-            except KvtError:
-                pass
-            time.sleep(0.1)
+        near, _ = self._ended_in_err(Op.READ, make_backend, local_buffer, spawn_peer, target, wait_for)
         assert not near.read().any(), "bytes of a READ that had ended in ERR landed after it had"
 
     @requires("remote", "WRITE", "stops_on_err")
@@ -170,38 +143,50 @@ class FaultTests(BackendFixtures):
         whatever its buffer holds once it runs again arrived after the ERR.
         This side's buffer is overwritten at the ERR (an engine reuses it), so
         a transport that reads it late is caught too."""
-        opts = dict(target.caps.cross_host_options)
+        _, far = self._ended_in_err(Op.WRITE, make_backend, local_buffer, spawn_peer, target, wait_for)
+        late = np.flatnonzero(far.read())
+        assert not late.size, (f"{late.size} bytes of a WRITE that had ended in ERR landed in the peer after it had "
+                               f"(first at offset {late[0]}); end the transfer so that none can (stops_on_err)")
+
+    def _ended_in_err(self, op, make_backend, local_buffer, spawn_peer, target, wait_for):
+        """``op`` over N blocks with a peer process stopped, both sides on the
+        backend's ``cross_host_options``: it must end ERR (skip if it
+        completed).  Then this side's buffer is overwritten (an engine reuses
+        it at once), the transfer released, the peer resumed, and a late
+        transfer given every chance to land.  Returns (this side's buffer,
+        the peer's), the first zeroed after a READ, the second untouched
+        before a WRITE."""
+        read, opts = op is Op.READ, dict(target.caps.cross_host_options)
         backend = make_backend(timeout=self.fault_timeout, **opts)
         victim = spawn_peer(timeout=self.fault_timeout, **opts)
-        vbuf, vname = victim.alloc(BLOCK * N), backend.add_remote(victim.metadata())
-        near = local_buffer(BLOCK * N, seed=7, owner=backend)
+        vbuf, vname = victim.alloc(BLOCK * N, seed=7 if read else None), backend.add_remote(victim.metadata())
+        near = local_buffer(BLOCK * N, seed=None if read else 7, owner=backend)
         lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
         victim.stop()
         try:
-            h = backend.transfer(Op.WRITE, lp, None, rp, None)
+            h = backend.transfer(op, lp, None, rp, None)
             state = settle(backend, h, wait_for)
             if state.done:
-                pytest.skip(f"the WRITE completed with the peer stopped, even with {opts}: nothing stalled")
+                pytest.skip(f"the {op.value} completed with the peer stopped, even with {opts}: nothing stalled")
             assert isinstance(state.cause, TransferError), state
-            near.write(np.full(BLOCK * N, 0xA5, np.uint8))
+            # what landed before the ERR is allowed: a READ's destination zeroed, a WRITE's source changed
+            near.write(np.zeros(BLOCK * N, np.uint8) if read else np.full(BLOCK * N, 0xA5, np.uint8))
             backend.release(h)
         finally:
             victim.resume()
-        # the peer answers again: give a late WRITE every chance to land (as in the READ test)
-        other = local_buffer(BLOCK, owner=backend)
-        spare = victim.alloc(BLOCK)
+        # the peer answers again: transfers with it progress the backend (re-added: it may have
+        # been given up), into a spare buffer of the peer's, so the checked ones stay as they are
+        other, spare = local_buffer(BLOCK, owner=backend), victim.alloc(BLOCK)
         name = backend.add_remote(victim.metadata())
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             try:
-                settle(backend, backend.transfer(Op.WRITE, backend.prep(None, other.blocks(BLOCK, [0])), None,
+                settle(backend, backend.transfer(op, backend.prep(None, other.blocks(BLOCK, [0])), None,
                                                  backend.prep(name, spare.blocks(BLOCK, [0])), None), wait_for)
             except KvtError:
                 pass
             time.sleep(0.1)
-        late = np.flatnonzero(vbuf.read())
-        assert not late.size, (f"{late.size} bytes of a WRITE that had ended in ERR landed in the peer after it had "
-                               f"(first at offset {late[0]}); end the transfer so that none can (stops_on_err)")
+        return near, vbuf
 
     @requires("remote")
     def test_remove_remote_ends_in_flight_transfers(self, backend, local_buffer, spawn_peer, target, wait_for):
