@@ -194,7 +194,8 @@ class Transfer:
         if state.failed:
             if isinstance(state.cause, _PEER_LOST) and self.peer is not None:
                 self._agent._recover(self.peer)
-            raise state.cause
+            # one stored cause, raised by every wait: each raise would add its frames to the last
+            raise state.cause.with_traceback(None)
         if self.verify is not None:
             self.verify()
 

@@ -221,3 +221,36 @@ def test_close_from_several_threads_at_once():
         for t in threads:
             t.join(60)
         assert not errors
+
+
+class _FailedBackendDouble:
+    """Test double: a backend whose every transfer has ended ERR."""
+
+    def __init__(self):
+        from kvt.errors import TransferError
+        from kvt.types import XferState
+        self.state = XferState.err(TransferError("the double's transfer failed"))
+
+    def check_state(self, handle):
+        return self.state
+
+
+def test_waiting_again_on_a_failed_transfer_does_not_grow_its_traceback():
+    """An engine polls ``wait(0)`` on a failed transfer until it handles it:
+    each raise of the one stored cause must not add to its traceback (the
+    frames it keeps alive)."""
+    from kvt.agent import Transfer
+    from kvt.errors import TransferError
+    a, b, _ = _two()
+    with a, b:
+        x = Transfer(a, 1, 4096)
+        x._backend = _FailedBackendDouble()
+        depths = []
+        for _ in range(50):
+            with pytest.raises(TransferError) as e:
+                x.wait(0)
+            tb, n = e.value.__traceback__, 0
+            while tb is not None:
+                tb, n = tb.tb_next, n + 1
+            depths.append(n)
+        assert depths[-1] == depths[0], depths
