@@ -22,7 +22,7 @@ import numpy as np
 
 from .config import Config
 from .errors import KvtError
-from .procs import die_with_parent
+from .procs import child_of
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
@@ -68,7 +68,7 @@ def expected_layer(spec: DemoSpec, layer: int):
 
 
 def _prefill(spec: DemoSpec, out: mp.Queue, done, parent: int) -> None:
-    die_with_parent(parent)
+    child_of(parent)
     try:
         from .agent import Agent
 
@@ -84,7 +84,7 @@ def _prefill(spec: DemoSpec, out: mp.Queue, done, parent: int) -> None:
 
 
 def _decode(spec: DemoSpec, endpoint: str, out: mp.Queue, parent: int) -> None:
-    die_with_parent(parent)
+    child_of(parent)
     try:
         import torch
 

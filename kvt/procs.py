@@ -11,7 +11,7 @@ import ctypes
 import os
 import signal
 
-__all__ = ["host_id", "start_time", "die_with_parent"]
+__all__ = ["host_id", "start_time", "child_of", "die_with_parent"]
 
 
 def host_id() -> str:
@@ -35,6 +35,15 @@ def start_time(pid: int) -> int:
 
 
 _PR_SET_PDEATHSIG = 1
+
+
+def child_of(parent: int) -> None:
+    """First thing in a tool's child process: it dies with ``parent``
+    (``die_with_parent``) and leaves Ctrl-C to it.  A terminal sends SIGINT
+    to the whole process group; the parent stops its children itself, so a
+    child interrupted too would only print a traceback on the way."""
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def die_with_parent(parent: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from ..config import Config
 from ..errors import BackendUnavailable
-from ..procs import die_with_parent
+from ..procs import child_of
 from .plan import Plan
 from .timing import measure
 
@@ -79,7 +79,7 @@ def _serve_until_stopped(stop, parent: int, poll: Callable[[], object]) -> None:
 
 
 def _child(role: str, spec: EngineSpec, plan: Plan, info: Any, q, stop, log: str, parent: int) -> None:
-    die_with_parent(parent)
+    child_of(parent)
     _redirect_output(log)
     try:
         mod = importlib.import_module(KINDS[spec.kind])
