@@ -301,7 +301,8 @@ class Agent:
                 options = {**options, "auth_key": self.secret}
             else:
                 self._notif_seal = NotifSeal(self.secret, self.name)
-        self.backend = registry.create_backend(self.backend_name, self.name, options)
+        self.backend = registry.create_backend(self.backend_name, self.name, options,
+                                               shared=self.config.shared_options)
         self.extra: dict[str, Any] = {}  #: published in AgentInfo (the connector's compatibility fields)
         self._layouts: dict[str, BlockLayout] = {}
         self._layout_regs: dict[str, RegHandle] = {}

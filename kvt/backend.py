@@ -33,17 +33,22 @@ Contract every backend keeps (the conformance suite checks each):
 from __future__ import annotations
 
 import abc
+import difflib
 import threading
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from .errors import (ClosedError, InvalidArgument, InvalidHandle, KvtTimeoutError, UnknownPeer,
+from .errors import (ClosedError, ConfigError, InvalidArgument, InvalidHandle, KvtTimeoutError, UnknownPeer,
                      UnsupportedOperation)
 from .types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
                     RegHandle, XferHandle, XferState, as_index)
 
-__all__ = ["Backend", "RegionTable", "HandleTable", "take_handle", "PeerTable", "Inbox", "unknown_peer"]
+__all__ = ["Backend", "CORE_OPTIONS", "RegionTable", "HandleTable", "take_handle", "PeerTable", "Inbox", "unknown_peer"]
+
+
+#: the options kvt itself sets for every backend (``auth_key`` only for ``uses_auth_key`` ones)
+CORE_OPTIONS = frozenset({"timeout", "auth_key"})
 
 
 class Backend(abc.ABC):
@@ -60,16 +65,38 @@ class Backend(abc.ABC):
     #: True for a backend with its own kvt sockets: the Agent then passes the configured
     #: ``auth_key`` as option ``auth_key`` (a ``kvt.auth.Secret``) so it can authenticate them
     uses_auth_key: ClassVar[bool] = False
+    #: the option keys this backend reads besides ``timeout`` (and ``auth_key``, see above).
+    #: kvt refuses any other key set for this backend (``-o``, ``[backends.NAME]``,
+    #: ``options=``) with ``ConfigError``, so a typo is not silently a default; keys of the
+    #: shared ``[options]`` table it does not know are dropped with a log line.  ``None``:
+    #: undeclared, every key reaches the constructor.
+    option_names: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         if not agent_name:
             raise InvalidArgument("agent_name must be a non-empty string")
         self.agent_name = agent_name
         self.options = dict(options or {})
+        self.check_options(self.options)
         self.timeout = float(self.options.get("timeout", 30.0))
         self._closed = False
         self._ids = iter(range(1, 1 << 62))
         self._ids_lock = threading.Lock()
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """Raise ``ConfigError`` for a key of ``options`` this backend does not
+        read (``option_names``, plus ``CORE_OPTIONS``); the constructor calls it."""
+        if cls.option_names is None:
+            return
+        for key in options:
+            if key not in cls.option_names and key not in CORE_OPTIONS:
+                names = sorted(cls.option_names | {"timeout"})
+                close = difflib.get_close_matches(str(key), names, n=1)
+                raise ConfigError(
+                    f"{cls.__name__} has no option {key!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
+                    f"its options: {', '.join(names)}. Options shared by several backends belong in the config "
+                    "file's [options] table, which ignores keys a backend does not read")
 
     @classmethod
     def availability(cls) -> Availability:

@@ -77,6 +77,10 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     auth_key: _Text | None = None
     #: a file holding ``auth_key`` (read at load time, surrounding whitespace stripped)
     auth_key_file: _Text | None = None
+    #: set by ``load_config``: the keys of ``options`` that came from the file's shared
+    #: ``[options]`` table, which a backend that does not read them ignores (any other
+    #: key the backend does not know is a ``ConfigError``)
+    shared_options: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.auth_key_file is not None:
@@ -136,7 +140,7 @@ def _read_key(path: str) -> str:
         raise ValueError(f"cannot read auth_key_file {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
-_FIELDS = Config.__struct_fields__
+_FIELDS = tuple(f for f in Config.__struct_fields__ if f != "shared_options")  # settable ones
 _DEFAULTS = Config()
 
 
@@ -213,13 +217,15 @@ def _as_dict(options: Any) -> Any:
 
 def load_config(backend: str | None = None, options: Mapping[str, Any] | None = None, *,
                 path: str | os.PathLike | None = None, env: Mapping[str, str] = os.environ,
-                **overrides: Any) -> Config:
+                shared: bool = False, **overrides: Any) -> Config:
     """Build a ``Config`` from explicit arguments, the environment and a TOML file.
 
     ``overrides`` are other ``Config`` fields (``name``, ``listen_port``...);
-    an argument that is ``None`` counts as not given.  ``env`` replaces
-    ``os.environ`` (tests).  Raises ``ConfigError`` naming the offending
-    field or key and its source.
+    an argument that is ``None`` counts as not given.  ``shared``: the
+    explicit ``options`` serve several backends, so (like the file's
+    ``[options]``) a backend ignores those it does not read.  ``env``
+    replaces ``os.environ`` (tests).  Raises ``ConfigError`` naming the
+    offending field or key and its source.
     """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -269,6 +275,9 @@ def load_config(backend: str | None = None, options: Mapping[str, Any] | None = 
         _check("options", layer, source)
         merged.update(layer)
     values["options"] = merged
+    explicit_options = _as_dict(options)
+    values["shared_options"] = (frozenset(explicit_options) if shared else frozenset()).union(
+        frozenset(file_options).difference(tables.get(chosen, {}), explicit_options))
     try:
         return msgspec.convert(values, Config)
     except msgspec.ValidationError as e:  # every field was checked above; kept as a backstop

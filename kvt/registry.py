@@ -34,21 +34,24 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata as md
+import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import msgspec
 from stevedore import DriverManager, ExtensionManager
 from stevedore.exception import MultipleMatches, NoMatches
 
-from .backend import Backend
+from .backend import CORE_OPTIONS, Backend
 from .errors import BackendLoadError, BackendNotFound, BackendUnavailable, InvalidArgument, KvtError
 from .types import Availability, Capabilities
 
+log = logging.getLogger(__name__)
+
 __all__ = ["GROUP", "KNOWN", "PROBE_TIMEOUT", "BackendInfo", "BackendStatus", "list_backends",
-           "load_backend", "probe", "create_backend", "install_hint"]
+           "load_backend", "probe", "create_backend", "own_options", "install_hint"]
 
 #: the entry-point group every backend plugin declares
 GROUP = "kvt.backends"
@@ -234,12 +237,32 @@ def _availability(cls: type[Backend]) -> Availability:
     return avail
 
 
-def create_backend(name: str, agent_name: str, options: Mapping[str, Any] | None = None) -> Backend:
+def own_options(name: str, options: Mapping[str, Any], shared: Collection[str] = ()) -> dict[str, Any]:
+    """Backend ``name``'s options: ``options`` without the keys in ``shared``
+    (from a table serving every backend, ``Config.shared_options``) it does
+    not read.  ``ConfigError`` for any other key it does not read."""
+    cls = load_backend(name)
+    own = dict(options)
+    if cls.option_names is not None:
+        ignored = sorted(k for k in own if k in shared and k not in cls.option_names | CORE_OPTIONS)
+        if ignored:
+            log.info("backend %r ignores shared options %s", name, ignored)
+        own = {k: v for k, v in own.items() if k not in ignored}
+    cls.check_options(own)
+    return own
+
+
+def create_backend(name: str, agent_name: str, options: Mapping[str, Any] | None = None,
+                   shared: Collection[str] = ()) -> Backend:
     """Load backend ``name`` and construct it for agent ``agent_name``.
 
-    Raises ``BackendUnavailable`` with the reason when the backend cannot
-    run on this machine or its constructor fails with a non-kvt error."""
+    Keys of ``options`` the backend does not declare (``option_names``) are
+    a ``ConfigError``, except those named in ``shared`` (they came from a
+    table that serves every backend), which are dropped.  Raises
+    ``BackendUnavailable`` with the reason when the backend cannot run on
+    this machine or its constructor fails with a non-kvt error."""
     cls = load_backend(name)
+    options = own_options(name, options or {}, shared)
     avail = _availability(cls)
     if not avail.usable:
         raise BackendUnavailable(f"backend {name!r} cannot run on this machine: {avail.reason}. {_others(name)}")

@@ -157,6 +157,11 @@ def test_create_backend_passes_agent_name_and_options(fake_plugins):
     assert (b.agent_name, b.options, b.timeout) == ("agent-a", {"timeout": 3}, 3.0)
 
 
+def test_a_backend_without_option_names_takes_every_key(fake_plugins):
+    b = registry.create_backend("fake", "a", {"anything": 1, "timeout": 3})
+    assert type(b).option_names is None and b.options == {"anything": 1, "timeout": 3}
+
+
 def test_create_unusable_backend_raises_with_reason(fake_plugins):
     with pytest.raises(BackendUnavailable, match="cannot run on this machine: needs the fake interconnect"):
         registry.create_backend("unusable", "a")

@@ -301,6 +301,14 @@ class BrokenReaddDropsPeer(ExampleBackend):
         return name
 
 
+class BrokenAcceptsAnyOption(ExampleBackend):
+    """Test double: declares its options but takes any key (a misspelt one is silently the default)."""
+
+    @classmethod
+    def check_options(cls, options):
+        pass
+
+
 #: the suites a variant runs, where not every suite: each double made for one contract runs the suites
 #: that test it and those it must still pass (running all of them again mostly re-tests the example)
 SUITES = {
@@ -314,6 +322,7 @@ SUITES = {
     "BrokenNotifOnRefusal": ("NotificationTests", "OwnerCheckTests"),
     "BrokenEmptyPeerName": ("TransferTests", "MetadataTests"),
     "BrokenReaddDropsPeer": ("TransferTests", "MetadataTests"),
+    "BrokenAcceptsAnyOption": ("ErrorTests",),
 }
 
 #: the unbroken backend first: the control every variant is compared with
@@ -321,4 +330,4 @@ VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDon
             BrokenNoBoundsCheck, BrokenEarlyNotif, BrokenCrossHost, BrokenDropsNotifs, BrokenDeregisterNoDrain,
             BrokenReleaseReturnsEarly, BrokenNotifAfterFirstRequest, BrokenRangeArithmetic,
             BrokenOwnerChecksStartsOnly, BrokenPeerOnlyNoPairCheck, BrokenMetadataLeaksValueError,
-            BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenReaddDropsPeer)
+            BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenReaddDropsPeer, BrokenAcceptsAnyOption)

@@ -135,6 +135,9 @@ EXPECT = {
          for op in ("READ", "WRITE")],
         ["transfers", "MetadataTests::test_reload_refreshes_registrations", "MetadataTests::test_remove_remote",
          "MetadataTests::test_round_trip_through_handshake"]),
+    "BrokenAcceptsAnyOption": (
+        ["ErrorTests::test_unknown_option_is_refused"],
+        ["ErrorTests::test_calls_after_close", "ErrorTests::test_unknown_peer"]),
 }
 
 

@@ -52,11 +52,12 @@ def parse_option(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def config_from_args(args: argparse.Namespace, **overrides: Any) -> Config:
+def config_from_args(args: argparse.Namespace, shared: bool = False, **overrides: Any) -> Config:
     """The ``Config`` for a command parsed with ``add_config_arguments``;
-    ``overrides`` are further ``Config`` fields taken from the command's own flags."""
+    ``overrides`` are further ``Config`` fields taken from the command's own
+    flags.  ``shared``: ``-o`` serves several backends, each ignoring keys it does not read."""
     options = dict(parse_option(o) for o in args.options) or None
-    return load_config(args.backend, options, path=args.config, **overrides)
+    return load_config(args.backend, options, path=args.config, shared=shared, **overrides)
 
 
 def check_seconds(value: float | None, flag: str, limit: float = MAX_SECONDS) -> None:

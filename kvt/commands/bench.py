@@ -137,9 +137,10 @@ def _check_memory(plan) -> None:
             "or --rotate/--cold")
 
 
-def _config(args: argparse.Namespace, backend: str):
-    """The configuration ``--config`` / ``-o`` give ``backend``."""
-    return config_from_args(argparse.Namespace(**{**vars(args), "backend": backend}))
+def _config(args: argparse.Namespace, backend: str, shared: bool = True):
+    """The configuration ``--config`` / ``-o`` give ``backend``; ``shared``: ``-o``
+    serves several engines, so ``backend`` ignores keys it does not read."""
+    return config_from_args(argparse.Namespace(**{**vars(args), "backend": backend}), shared=shared)
 
 
 def engine_specs(args: argparse.Namespace) -> list:
@@ -163,7 +164,8 @@ def engine_specs(args: argparse.Namespace) -> list:
         if name not in installed:
             raise BackendNotFound(f"no installed kvt backend {name!r} (installed: {', '.join(installed) or 'none'}); "
                                   "see `kvt backends`")
-        specs.append(EngineSpec(name, "kvt", _config(args, name), required=bool(args.backend)))
+        # one backend named: a key it does not read is a typo (refused); several: each ignores the others'
+        specs.append(EngineSpec(name, "kvt", _config(args, name, shared=len(names) > 1), required=bool(args.backend)))
     if not specs:
         raise InvalidArgument("nothing to run: no backend installed and no baseline selected")
     return specs

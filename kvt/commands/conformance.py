@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     status = registry.probe(args.name)  # BackendNotFound for an unknown name
     if not status.usable:
         raise BackendUnavailable(f"backend {args.name!r} cannot run on this machine: {status.availability.reason}")
+    registry.own_options(args.name, options)  # a key it does not read: ConfigError now, not in every test
     if importlib.util.find_spec("kvt_conformance") is None:
         raise KvtError("the conformance suite is not installed: install the 'kvt-conformance' package "
                        "(`pip install -e conformance` from a kvt checkout)")

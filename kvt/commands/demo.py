@@ -40,6 +40,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse what cannot run before any process starts: counts below 1, a timeout that is not a
     finite number of seconds, and KV caches that do not fit in this machine's memory."""
     from ..errors import InvalidArgument
+    from ..registry import own_options
 
     for name in _COUNTS:
         if getattr(args, name) < 1:
@@ -59,14 +60,16 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..demo import DemoSpec, run as run_demo
     from ..errors import InvalidArgument
+    from ..registry import own_options
 
     check_args(args)
     config = config_from_args(args)
     backend = config.backend
+    options = own_options(backend, config.options, config.shared_options)  # a typo refused before any child starts
     if args.engine:
         from ..connector.engine_demo import engine_demo
 
-        return engine_demo(backend=backend, backend_options=config.options, requests=args.requests,
+        return engine_demo(backend=backend, backend_options=options, requests=args.requests,
                            layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                            block_size=args.block_size, blocks=args.blocks, max_request_blocks=args.request_blocks,
                            timeout=args.timeout, as_json=args.json)

@@ -103,9 +103,11 @@ class {cls}(Backend):
     capabilities = Capabilities(mem_kinds=frozenset({{MemKind.DRAM}}), ops=frozenset(Op), notifications=True,
                                 local=True, remote=True, cross_host=False, max_notif_bytes=64 * 1024,
                                 cross_host_options={{}}, owner_check="server", stops_on_err=True)
+    # the option keys you read besides 'timeout': kvt refuses others (a typo must not be a default)
+    option_names: frozenset[str] = frozenset()
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
-        super().__init__(agent_name, options)  # validates 'timeout'
+        super().__init__(agent_name, options)  # refuses unknown keys, validates 'timeout'
 '''
 
 BACKEND_VERB = '''

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from kvt.errors import (ClosedError, InvalidArgument, InvalidDescriptor, InvalidHandle,
+from kvt.errors import (ClosedError, ConfigError, InvalidArgument, InvalidDescriptor, InvalidHandle,
                         UnknownPeer, UnsupportedOperation, WireError)
 from kvt.types import Descs, MemKind, Op
 
@@ -274,6 +274,16 @@ class ErrorTests(BackendFixtures):
         if b.capabilities.notifications:
             calls["notify"] = lambda: b.notify("x", b"x")
         _all_raise(ClosedError, calls)
+
+    def test_unknown_option_is_refused(self, make_backend, target):
+        """A misspelt option must not silently become its default: the
+        constructor raises ``ConfigError`` naming the key."""
+        if target.cls.option_names is None:
+            pytest.skip(f"{target.label} declares no option_names: kvt cannot tell a typo from an option")
+        key = "no_such_option_" + "x" * 8
+        with pytest.raises(ConfigError, match=key):
+            make_backend(**{key: 1})
+        make_backend()  # and the refused one left nothing behind that stops the next
 
 
 def _all_raise(error: type, calls: dict[str, Callable[[], Any]]) -> None:

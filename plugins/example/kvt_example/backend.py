@@ -95,6 +95,8 @@ class ExampleBackend(Backend):
                                 local=True, remote=False, cross_host=False, max_notif_bytes=64 * 1024,
                                 cross_host_options={}, owner_check="server")
 
+    option_names: frozenset[str] = frozenset()  # timeout only
+
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         super().__init__(agent_name, options)
         self._regions = RegionTable()                       # ours, read by peers' workers too

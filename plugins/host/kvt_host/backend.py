@@ -404,6 +404,7 @@ class HostBackend(Backend):
     """
 
     uses_auth_key = True  # its data server and peer sockets are authenticated with the agent's auth_key
+    option_names = frozenset({"transport", "listen_host", "advertise_host", "inline_bytes"})  # docs/backends/host.md
     capabilities = Capabilities(mem_kinds=frozenset(MemKind), ops=frozenset(Op), notifications=True,
                                 local=True, remote=True, cross_host=True, max_notif_bytes=1 << 20,
                                 cross_host_options={"transport": "tcp"}, owner_check="server",

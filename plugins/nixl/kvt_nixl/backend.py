@@ -43,7 +43,7 @@ from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandl
 
 from . import native, vet
 from .metadata import epoch_watch, pack, unpack
-from .options import parse_options
+from .options import OPTION_NAMES, parse_options
 
 __all__ = ["NixlBackend"]
 
@@ -114,6 +114,7 @@ class NixlBackend(Backend):
         # NIXL cannot stop an RMA in flight (its disconnect waits for it): a READ that kvt's deadline
         # ended can still land when a stalled peer resumes (docs/backends/nixl.md)
         stops_on_err=False)
+    option_names = OPTION_NAMES  # docs/backends/nixl.md
 
     @classmethod
     def availability(cls) -> Availability:

@@ -6,15 +6,12 @@ measured best on these machines.
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Any, Mapping
 
 import msgspec
 from kvt.errors import ConfigError
 
-__all__ = ["NixlOptions", "parse_options"]
-
-log = logging.getLogger(__name__)
+__all__ = ["NixlOptions", "OPTION_NAMES", "parse_options"]
 
 _Name = Annotated[str, msgspec.Meta(min_length=1)]
 
@@ -40,18 +37,14 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
     timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 
-_FIELDS = set(NixlOptions.__struct_fields__)
+OPTION_NAMES = frozenset(NixlOptions.__struct_fields__)
 
 
 def parse_options(options: Mapping[str, Any]) -> NixlOptions:
-    """Validate ``options``; ``ConfigError`` names the bad field.  Unknown
-    keys are logged and ignored, since one ``[options]`` table may serve
-    several backends."""
-    unknown = sorted(set(options) - _FIELDS)
-    if unknown:
-        log.warning("nixl backend ignores unknown options %s (it knows %s)", unknown, sorted(_FIELDS))
+    """Validate ``options``; ``ConfigError`` names the bad field.  Other keys
+    are left out (``Backend.__init__`` refuses unknown ones)."""
     try:
-        opts = msgspec.convert({k: v for k, v in options.items() if k in _FIELDS}, NixlOptions)
+        opts = msgspec.convert({k: v for k, v in options.items() if k in OPTION_NAMES}, NixlOptions)
     except msgspec.ValidationError as e:
         raise ConfigError(f"nixl backend option: {e}") from None
     bad = [k for k in opts.ucx_env if not k.startswith("UCX_")]

@@ -163,6 +163,8 @@ class UcxBackend(Backend):
         reason = native.load_error()
         return Availability(not reason, reason)
 
+    option_names = frozenset({"error_handling", "notif_queue", "split_bytes", "ucx_env", "ucx"})  # docs/backends/ucx.md
+
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         super().__init__(agent_name, options)
         o = self.options
