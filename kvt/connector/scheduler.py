@@ -41,6 +41,7 @@ from ..auth import Secret
 from ..errors import InvalidArgument
 from .config import ConnectorConfig
 from .metadata import ConnectorMetadata, RecvRequest, RemoteSource, TransferParams
+from .tp import tp_problem
 
 __all__ = ["Request", "EngineRequest", "ConnectorScheduler", "FinishedAggregator"]
 
@@ -147,6 +148,8 @@ class ConnectorScheduler:
     def _problem(self, p: TransferParams) -> str | None:
         """Why the blocks ``p`` names must not be read (or released) on its say-so."""
         if why := p.source_problem(self._secret):
+            return why
+        if why := tp_problem(self.config.kv, p.tp_size, self.config.tp_size):
             return why
         if user := self._spent.user((p.remote_engine_id, p.remote_request_id)):
             return (f"its kv_transfer_params (prefill request {p.remote_request_id!r} of {p.remote_engine_id!r}) "

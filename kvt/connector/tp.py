@@ -23,9 +23,10 @@ import numpy as np
 
 from ..errors import IncompatiblePeer
 from ..wire import BlockLayout
+from .config import KVCacheSpec
 
 __all__ = ["Slice", "Read", "ReadPlan", "remote_ranks", "plan_reads", "readers_per_rank",
-           "part_layout"]
+           "part_layout", "tp_problem"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,19 @@ class ReadPlan:
     @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(r.remote_rank for r in self.reads) + self.notify_only
+
+
+def tp_problem(kv: KVCacheSpec, prefill_tp: int, decode_tp: int) -> str | None:
+    """Why a prefill engine of ``prefill_tp`` ranks cannot serve us, as far
+    as the numbers alone tell (before any handshake), or None."""
+    big, small = max(prefill_tp, decode_tp), min(prefill_tp, decode_tp)
+    if big % small:
+        return (f"tensor-parallel sizes {prefill_tp} (prefill) and {decode_tp} (decode) do not divide; "
+                "heterogeneous TP needs one to be a multiple of the other")
+    if not kv.mla and kv.num_kv_heads % prefill_tp:
+        return (f"a prefill engine of tp_size {prefill_tp} cannot split the model's {kv.num_kv_heads} KV heads "
+                "evenly: the kv_transfer_params name another model or a wrong tp_size")
+    return None
 
 
 def _ratio(big: int, small: int) -> int:

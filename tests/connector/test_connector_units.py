@@ -390,6 +390,24 @@ def test_malformed_params_raise_and_leave_state_alone():
     assert not sched.build_connector_meta()
 
 
+@pytest.mark.parametrize("tp_size, decode_tp, why", [
+    (3, 2, "do not divide"),      # neither a multiple of the other
+    (16, 1, "8 KV heads"),        # more prefill ranks than heads: another model, or a lie
+    (2, 4, None), (8, 1, None),   # heterogeneous TP that works
+])
+def test_a_prefill_tp_size_that_cannot_fit_is_refused_before_any_handshake(tp_size, decode_tp, why):
+    sched = ConnectorScheduler(config("d", decode_tp))
+    req = EngineRequest("x", 8, {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
+                                 "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 7000,
+                                 "tp_size": tp_size})
+    if why is None:
+        assert sched.get_num_new_matched_tokens(req, 0) == (8, True)
+        return
+    with pytest.raises(InvalidArgument, match=why):
+        sched.get_num_new_matched_tokens(req, 0)
+    assert not sched.build_connector_meta()
+
+
 def test_prefill_staging_copies_the_blocks_each_step_fills():
     sched = ConnectorScheduler(config("p", side_channel_port=7000, kv_buffer_device="cpu"))
     req = EngineRequest("r", 30, {"do_remote_decode": True})
