@@ -51,6 +51,15 @@ class WorkerCard(msgspec.Struct, frozen=True, kw_only=True):
                                    "run the same kvt release on both sides") from e
 
 
+def _byte_order(spec: KVCacheSpec, tp_size: int) -> str:
+    """The head layout a rank's blocks really have: one head per rank, one
+    token per block, or MLA (no heads) lay bytes out as HND whatever the
+    declared ``head_layout``."""
+    if spec.mla or spec.block_size == 1 or spec.heads_per_rank(tp_size) == 1:
+        return "HND"
+    return spec.head_layout
+
+
 def check_peer(mine: WorkerCard, theirs: WorkerCard, *, engine_id: str, rank: int, tp_size: int) -> None:
     """Refuse a peer that cannot serve our reads: ``IncompatiblePeer`` naming
     every field that differs."""
@@ -62,15 +71,18 @@ def check_peer(mine: WorkerCard, theirs: WorkerCard, *, engine_id: str, rank: in
     if (theirs.tp_rank, theirs.tp_size) != (rank, tp_size):
         problems.append(f"TP rank {theirs.tp_rank}/{theirs.tp_size} (expected {rank}/{tp_size})")
     a, b = mine.spec, theirs.spec
-    for field in ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "head_layout"):
+    for field in ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"):
         if getattr(a, field) != getattr(b, field):
             problems.append(f"{field} {getattr(b, field)!r} (ours {getattr(a, field)!r})")
+    ours, peers = _byte_order(a, mine.tp_size), _byte_order(b, tp_size)
+    if ours != peers and a.mla == b.mla:
+        problems.append(f"head_layout {b.head_layout!r} (ours {a.head_layout!r})")
     if a.mla != b.mla:
         problems.append(f"kv_layout {b.kv_layout!r} (ours {a.kv_layout!r}); MLA pairs only with MLA")
     if theirs.layers != mine.layers:
         problems.append(f"layers {theirs.layers[:3]}... ({len(theirs.layers)}) differ from ours "
                         f"{mine.layers[:3]}... ({len(mine.layers)})")
-    if not a.mla and tp_size != mine.tp_size and "NHD" in (a.head_layout, b.head_layout):
+    if tp_size != mine.tp_size and "NHD" in (ours, peers):
         problems.append(f"heterogeneous TP ({tp_size} -> {mine.tp_size}) slices heads inside blocks, "
                         "which needs head_layout 'HND' on both sides")
     if problems:

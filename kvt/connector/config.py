@@ -45,7 +45,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``block`` is ``(heads, block_size, head_dim)`` for ``head_layout="HND"``
     and ``(block_size, heads, head_dim)`` for ``"NHD"``; ``heads`` is
     ``num_kv_heads // tp_size``.  Heterogeneous TP slices heads inside a
-    block, which needs ``HND`` (or MLA).
+    block, which needs ``HND`` bytes (MLA, one token per block or one head
+    per rank lay bytes out as ``HND`` under either name).
     """
 
     model: str = ""

@@ -120,7 +120,7 @@ def pd(kv: KVCacheSpec, ptp=1, dtp=1, *, pstaging=False, dstaging=False, pblocks
             # every head of the model, in rank order
             full = torch.cat([canonical(c[name], kv) for c in pkv], dim=2) if not kv.mla else canonical(pkv[0][name], kv)
             for r in range(dtp):
-                got = canonical(dkv[r][name], kv)
+                got = canonical(dkv[r][name], specs["d"])
                 h = got.shape[2]
                 want = full[rids] if kv.mla else full[rids][:, :, r * h:(r + 1) * h]
                 assert torch.equal(got[lids], want), f"{name}: decode rank {r} got wrong bytes"
@@ -186,6 +186,17 @@ def test_layouts_tp_and_staging_deliver_every_byte(layout, head_layout, ptp, dtp
     kv = spec(layout, head_layout=head_layout, block_size=block_size)
     errors, why = pd(kv, ptp, dtp, pstaging=pstaging, dstaging=dstaging, pblocks=6, dblocks=9,
                      prompt_len=3 * block_size - (block_size > 1))
+    assert not any(errors), why
+
+
+@pytest.mark.parametrize("ptp, dtp, prefill_kv, decode_kv", [
+    (2, 1, spec("mla", head_layout="HND"), spec("mla", head_layout="NHD")),   # MLA blocks have no heads
+    (1, 2, spec(head_layout="NHD", block_size=1), spec(head_layout="NHD", block_size=1)),  # one token a block
+    (1, 4, spec(head_layout="HND"), spec(head_layout="NHD")),                # one head a decode rank
+    (2, 2, spec("packed", heads=2, head_layout="NHD"), spec("packed", heads=2, head_layout="HND")),
+])
+def test_declared_layouts_that_differ_but_lay_bytes_out_alike_pair(ptp, dtp, prefill_kv, decode_kv):
+    errors, why = pd(prefill_kv, ptp, dtp, decode_kv=decode_kv, pstaging=True, dstaging=True)
     assert not any(errors), why
 
 
