@@ -40,7 +40,6 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse what cannot run before any process starts: counts below 1, a timeout that is not a
     finite number of seconds, and KV caches that do not fit in this machine's memory."""
     from ..errors import InvalidArgument
-    from ..registry import own_options
 
     for name in _COUNTS:
         if getattr(args, name) < 1:
