@@ -88,12 +88,14 @@ class BackendStatus:
     """What ``probe`` learnt about a backend by importing it.
 
     ``capabilities`` is ``None`` when the plugin could not be loaded; the
-    reason is then in ``availability.reason``.
+    reason is then in ``availability.reason``.  ``options``: the option keys
+    it reads (with ``timeout``), ``None`` when undeclared or not loaded.
     """
 
     info: BackendInfo
     capabilities: Capabilities | None
     availability: Availability
+    options: frozenset[str] | None = None
 
     @property
     def usable(self) -> bool:
@@ -200,7 +202,8 @@ def _probe(info: BackendInfo) -> BackendStatus:
         cls = _load(info)
     except BackendLoadError as e:
         return BackendStatus(info, None, Availability(False, str(e)))
-    return BackendStatus(info, cls.capabilities, _availability(cls))
+    names = None if cls.option_names is None else cls.option_names | {"timeout"}
+    return BackendStatus(info, cls.capabilities, _availability(cls), names)
 
 
 def probe(name: str, timeout: float = PROBE_TIMEOUT) -> BackendStatus:

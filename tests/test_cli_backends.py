@@ -50,8 +50,11 @@ def test_backends_json_console_script_lists_host_usable():
     assert r.returncode == 0, r.stderr
     rows = {row["name"]: row for row in json.loads(r.stdout) if row["name"] != "dup"}
     host = rows["host"]
-    assert list(host) == ["name", "entry_point", "distribution", "version", "capabilities", "usable", "reason"]
+    assert list(host) == ["name", "entry_point", "distribution", "version", "capabilities", "usable", "reason",
+                          "options"]
     assert (host["distribution"], host["usable"], host["reason"]) == ("kvt-host", True, "")
+    assert "transport" in host["options"] and "timeout" in host["options"]
+    assert rows["fake"]["options"] is None  # declares no option_names
     assert host["capabilities"]["mem_kinds"][0] == "DRAM" and "READ" in host["capabilities"]["ops"]
     assert rows["fake"]["capabilities"] == {
         "mem_kinds": ["DRAM", "VRAM"], "ops": ["READ"], "notifications": False, "local": True,

@@ -75,6 +75,8 @@ def as_json(status: registry.BackendStatus) -> dict[str, Any]:
             **msgspec.to_builtins(caps), "mem_kinds": _kinds(caps), "ops": _ops(caps)},
         "usable": status.usable,
         "reason": status.availability.reason,
+        # the option keys it reads (-o KEY=VALUE); null: not declared, or not loaded
+        "options": None if status.options is None else sorted(status.options),
     }
 
 
