@@ -95,6 +95,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     engine_id: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]  # peers refuse reader names > 256
     kv: KVCacheSpec
     tp_size: _Pos = 1
+    #: what this engine does with other engines' KV (vLLM's ``kv_role``): ``kv_producer`` never
+    #: loads (``do_remote_prefill`` params are refused), ``kv_consumer`` never holds blocks for
+    #: readers (``do_remote_decode`` is ignored), ``kv_both`` does either
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
     #: kvt backend (None: KVT_BACKEND, the KVT_CONFIG file, or ``host``)
     backend: str | None = None
     backend_options: dict[str, Any] = {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from .metadata import ConnectorMetadata, RecvRequest, RemoteSource, TransferPara
 from .tp import tp_problem
 
 __all__ = ["Request", "EngineRequest", "ConnectorScheduler", "FinishedAggregator"]
+
+log = logging.getLogger(__name__)
 
 
 class Request(Protocol):
@@ -141,6 +144,9 @@ class ConnectorScheduler:
         p = TransferParams.parse(request.kv_transfer_params)
         if p is None or not p.do_remote_prefill:
             return None
+        if self.config.kv_role == "kv_producer":
+            raise InvalidArgument("this engine's kv_role is kv_producer: it loads no KV from other engines; "
+                                  "send do_remote_prefill requests to a kv_consumer or kv_both engine")
         if p.remote_block_ids and (why := self._problem(p)):
             raise InvalidArgument(f"request {request.request_id!r}: {why}")
         return p
@@ -190,6 +196,11 @@ class ConnectorScheduler:
         it ends."""
         params, req_id = request.kv_transfer_params, request.request_id
         if params and not params.get("do_remote_prefill") and params.get("do_remote_decode"):
+            if self.config.kv_role == "kv_consumer":  # held for nobody: its blocks would wait out the timeout
+                log.warning("request %s asks to be held for a decode engine (do_remote_decode), but this engine's "
+                            "kv_role is kv_consumer: it runs as a plain request (fix the router)", req_id)
+                params["do_remote_decode"] = False
+                return
             if self.config.staging and len(block_ids):
                 self._stage(req_id, np.asarray(block_ids, np.int64))
             return

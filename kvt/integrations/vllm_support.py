@@ -117,6 +117,7 @@ def connector_config(vllm_config: Any, *, kv_layout: str = "split", head_layout:
         buffer_device = None  # the cache is host memory: nothing to stage
     return ConnectorConfig.from_dict({
         "engine_id": str(ktc.engine_id), "kv": spec, "tp_size": vllm_config.parallel_config.tensor_parallel_size,
+        "kv_role": getattr(ktc, "kv_role", None) or "kv_both",
         "kv_buffer_device": "cpu" if buffer_device == "cpu" else None, **extra})
 
 

@@ -408,6 +408,26 @@ def test_a_prefill_tp_size_that_cannot_fit_is_refused_before_any_handshake(tp_si
     assert not sched.build_connector_meta()
 
 
+def test_a_kv_consumer_holds_no_blocks_for_a_do_remote_decode_request(caplog):
+    sched = ConnectorScheduler(config("d", side_channel_port=7000, kv_role="kv_consumer", kv_buffer_device="cpu"))
+    req = EngineRequest("r", 30, {"do_remote_decode": True})
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, [3, 4], 0)
+    assert "kv_role is kv_consumer" in caplog.text and req.kv_transfer_params["do_remote_decode"] is False
+    assert sched.request_finished(req, [3, 4]) == (False, None)  # freed now, not after abort_request_timeout
+    meta = sched.build_connector_meta()
+    assert not meta.reqs_to_send and not meta.reqs_to_save  # nothing held, nothing staged
+
+
+def test_a_kv_producer_refuses_to_load():
+    sched = ConnectorScheduler(config("p", kv_role="kv_producer"))
+    req = EngineRequest("x", 8, {"do_remote_prefill": True, "remote_engine_id": "d", "remote_request_id": "r",
+                                 "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 7000})
+    with pytest.raises(InvalidArgument, match="kv_producer"):
+        sched.get_num_new_matched_tokens(req, 0)
+    assert not sched.build_connector_meta()
+
+
 def test_prefill_staging_copies_the_blocks_each_step_fills():
     sched = ConnectorScheduler(config("p", side_channel_port=7000, kv_buffer_device="cpu"))
     req = EngineRequest("r", 30, {"do_remote_decode": True})

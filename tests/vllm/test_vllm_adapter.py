@@ -112,6 +112,25 @@ def test_update_state_after_alloc_with_nothing_to_load_and_a_first_chunk_of_bloc
                                                                  "saving"), 0)
 
 
+def test_kv_role_from_vllm_decides_what_the_engine_does():
+    """A ``kv_consumer`` (decode) engine asked to hold a request for readers
+    runs it as a plain one (its blocks freed at once, not after
+    ``abort_request_timeout``); a ``kv_producer`` refuses to load."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvt.integrations.vllm import KvtConnector
+
+    decode = KvtConnector(vllm_config_double("d", role="kv_consumer"), KVConnectorRole.SCHEDULER)
+    req = RequestDouble("r", 3 * BLOCK, {"do_remote_decode": True}, types.SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+    assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
+    decode.update_state_after_alloc(req, blocks(1, 2, 3), 0)
+    assert decode.request_finished(req, [1, 2, 3]) == (False, None)
+    prefill = KvtConnector(vllm_config_double("p", role="kv_producer"), KVConnectorRole.SCHEDULER)
+    req = RequestDouble("x", 3 * BLOCK, remote_params("x"))
+    assert prefill.get_num_new_matched_tokens(req, 0) == (0, False)  # refused: computed here
+    assert req.kv_transfer_params is None
+
+
 def test_update_state_after_alloc_with_no_kv_cache_groups(scheduler):
     req = RequestDouble("d1", 3 * BLOCK, {"do_remote_decode": True})
     scheduler.update_state_after_alloc(req, KVCacheBlocksDouble(()), 0)
