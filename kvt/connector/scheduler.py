@@ -198,7 +198,7 @@ class ConnectorScheduler:
         if params and not params.get("do_remote_prefill") and params.get("do_remote_decode"):
             if self.config.kv_role == "kv_consumer":  # held for nobody: its blocks would wait out the timeout
                 log.warning("request %s asks to be held for a decode engine (do_remote_decode), but this engine's "
-                            "kv_role is kv_consumer: it runs as a plain request (fix the router)", req_id)
+                            "kv_role is kv_consumer: it runs as a plain request (fix the router)", req_id[:80])
                 params["do_remote_decode"] = False
                 return
             if self.config.staging and len(block_ids):
