@@ -24,8 +24,8 @@ START_TIMEOUT = 300.0
 class Engine:
     """The test's handle on one engine process; every call has a timeout."""
 
-    def __init__(self, proc: subprocess.Popen, conn: Any, name: str):
-        self.proc, self.conn, self.name = proc, conn, name
+    def __init__(self, proc: subprocess.Popen, conn: Any, name: str, log: Path):
+        self.proc, self.conn, self.name, self.log = proc, conn, name, log
 
     @classmethod
     def start(cls, name: str, model: Path, *, core: int, kv_transfer_config: dict | None = None,
@@ -37,12 +37,13 @@ class Engine:
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             child_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KVT_ENGINE_KEY": key.hex(), **(env or {})}
-            log = open(log_dir / f"{name}.log", "w")
-            proc = subprocess.Popen([sys.executable, __file__, f"{listener.address[0]}:{listener.address[1]}"],
-                                    env=child_env, stdout=log, stderr=subprocess.STDOUT)
+            log = log_dir / f"{name}.log"
+            with open(log, "w") as out:
+                proc = subprocess.Popen([sys.executable, __file__, f"{listener.address[0]}:{listener.address[1]}"],
+                                        env=child_env, stdout=out, stderr=subprocess.STDOUT)
             listener._listener._socket.settimeout(60)
             conn = listener.accept()
-        engine = cls(proc, conn, name)
+        engine = cls(proc, conn, name, log)
         conn.send(("init", (dict(model=str(model), kv_transfer_config=kv_transfer_config, **llm_args),)))
         if wait:
             engine.ready()
@@ -51,6 +52,15 @@ class Engine:
     def ready(self) -> None:
         """Wait until the engine is up (``RuntimeError`` with its failure if it is not)."""
         self._reply("init", START_TIMEOUT)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the engine's log, for a failing assertion's message
+        (CI keeps no temporary files)."""
+        try:
+            text = self.log.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as e:
+            return f"(no log: {e})"
+        return "\n".join(line[:400] for line in text)
 
     def call(self, op: str, *args: Any, timeout: float = 120.0) -> Any:
         self.conn.send((op, args))
@@ -173,21 +183,24 @@ def _abort_after(llm: Any, prompts: list[list[int]], max_tokens: int, params: li
     return [last.get(rid) for rid in ids]
 
 
-def _start(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict | None], seconds: float) -> int:
+def _start(llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict | None],
+           seconds: float) -> dict:
     """Add the requests and step the engine for ``seconds``, then return
-    (leaving them in flight): how many are unfinished."""
+    (leaving them in flight): ``{"unfinished": n, "finished": {id: reason}}``."""
     from vllm import SamplingParams
 
-    engine = llm.llm_engine
+    engine, finished = llm.llm_engine, {}
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"start-{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, SamplingParams(
             temperature=0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
             extra_args={"kv_transfer_params": p} if p is not None else None))
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
-        engine.step()
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.outputs[0].finish_reason
         time.sleep(0.01)
-    return engine.get_num_unfinished_requests()
+    return {"unfinished": engine.get_num_unfinished_requests(), "finished": finished}
 
 
 def _scheduler_state(llm: Any) -> dict:
