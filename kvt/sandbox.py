@@ -58,8 +58,16 @@ _children: dict[tuple[str, str], _Child] = {}  # (probe, settings as JSON) -> ch
 
 
 def _forget() -> None:
-    """In a forked child: the parent's sandboxes (and lock) are the parent's."""
+    """In a forked child: the parent's sandboxes (and lock) are the parent's.
+    Our copies of their pipes are closed: a sandbox ends when its input
+    does, which a copy held here would put off until this process exits."""
     global _lock, _children
+    for child in _children.values():
+        for f in (child.proc.stdin, child.proc.stdout):
+            try:
+                f.close()  # (nothing buffered: checks are written with os.write)
+            except OSError:
+                pass
     _lock, _children = threading.Lock(), {}
 
 

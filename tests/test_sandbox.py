@@ -108,6 +108,26 @@ def test_a_forked_process_starts_its_own_child():
     assert list(sandbox._children.values()) == [parent_child]
 
 
+def test_a_forked_process_does_not_keep_the_parents_child_alive():
+    """A fork closes its copies of the parent's pipes: the parent's child
+    still ends when the parent's end of its input closes (as when the parent
+    exits), however long the fork lives."""
+    import signal
+
+    sandbox.vet(PROBE, {}, b"fine", "refused")
+    (child,) = sandbox._children.values()
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        child.proc.stdin.close()
+        assert child.proc.wait(10) == 0  # it saw the end of its input and returned
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 def test_a_probe_that_cannot_start_is_a_wire_error_that_says_so():
     with pytest.raises(WireError, match="did not start"):
         sandbox.vet(PROBE, {"broken": True}, b"fine", "refused")
