@@ -16,6 +16,7 @@ import random
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,9 @@ def test_shutdown_with_reads_in_flight_is_bounded(engines):
     prefill.proc.send_signal(signal.SIGSTOP)
     try:
         started = decode.call("start", PROMPTS[1:3], MAX_TOKENS, handed, 1.0)
-        print("after 1 s:", started)  # both reads stall here; CI once saw one request end (cause unknown)
+        if started["unfinished"] != 2:  # both reads stall here; CI once saw one request end (cause unknown)
+            warnings.warn(f"a request ended while its prefill engine was stopped: {started}; decode log:\n"
+                          f"{decode.log_tail()}")
         assert started["unfinished"] >= 1, f"{started}; decode log:\n{decode.log_tail()}"  # a read in flight
         t0 = time.monotonic()
         out = decode.call("shutdown", timeout=TRANSFER_TIMEOUT + 60)
