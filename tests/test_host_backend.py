@@ -295,3 +295,68 @@ def test_close_at_interpreter_exit():
               "atexit.register(b.close)\natexit.register(a.close)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+
+
+_FIXED = 0x2F0000000000  # an address far from where Linux places a small process's mappings
+_FIXED_LEN = NUM_BLOCKS * BLOCK
+
+
+def _fixed_buffer(fill: int) -> np.ndarray:
+    """Anonymous memory at ``_FIXED`` (never over an existing mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    map_fixed_noreplace = 0x100000
+    got = libc.mmap(_FIXED, _FIXED_LEN, mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | map_fixed_noreplace, -1, 0)
+    if got != _FIXED:
+        raise OSError(ctypes.get_errno(), f"cannot map {_FIXED:#x}")
+    buf = np.ctypeslib.as_array((ctypes.c_uint8 * _FIXED_LEN).from_address(_FIXED)).reshape(NUM_BLOCKS, BLOCK)
+    buf[:] = fill
+    return buf
+
+
+def _incarnation(register_fixed: bool, q, cmd) -> None:
+    """A host backend named "restarting" with memory at ``_FIXED``: registered
+    (the first process), or mapped but never registered (its restart, which
+    registers other memory).  Answers "contents" with that memory's bytes."""
+    from kvt_host.backend import HostBackend
+
+    fixed = _fixed_buffer(0x5A)
+    backend = HostBackend("restarting", {"timeout": 5})
+    backend.register(Descs.from_regions([_FIXED], [_FIXED_LEN]) if register_fixed else np.ones(_FIXED_LEN, np.uint8))
+    q.put(backend.local_metadata())
+    while cmd.get(timeout=120) == "contents":
+        q.put(fixed.tobytes())
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+def test_a_prep_from_before_the_peer_restarted_moves_nothing_the_new_process_did_not_register(op):
+    """Rows prepped against a peer's first process are judged against what its
+    restart registered (by its server) before any byte moves: the same-host
+    shortcut (cma) must not touch the new process's memory at those addresses."""
+    from peer import spawned
+
+    with Agent(name="me", backend="host", options={"timeout": 5}) as me:
+        backend = me.backend
+        local = np.full((NUM_BLOCKS, BLOCK), 0x11, np.uint8)
+        backend.register(local)
+        lp = backend.prep(None, Descs.from_regions(local.ctypes.data + np.arange(NUM_BLOCKS) * BLOCK,
+                                                   [BLOCK] * NUM_BLOCKS))
+        with spawned(_incarnation, True) as (_, _, _, first):
+            name = backend.add_remote(first)
+            rp = backend.prep(name, Descs.from_regions(_FIXED + np.arange(NUM_BLOCKS) * BLOCK, [BLOCK] * NUM_BLOCKS))
+            h = backend.transfer(op, lp, None, rp, None)
+            assert backend.wait(h, 10).done  # the first process registered that memory
+            backend.release(h)
+        local[:] = 0x11
+        with spawned(_incarnation, False) as (_, q, cmd, second):
+            assert backend.add_remote(second) == name
+            state = backend.wait(backend.transfer(op, lp, None, rp, None), 10)
+            cmd.put("contents")
+            theirs = np.frombuffer(q.get(timeout=30), np.uint8)
+        assert state.failed and isinstance(state.cause, TransferError), state
+        assert (local == 0x11).all() and (theirs == 0x5A).all(), "bytes moved to or from unregistered memory"

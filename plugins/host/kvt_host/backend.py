@@ -67,6 +67,7 @@ class _Prep:
     lengths: Any = None
     owner: "_Peer | None" = None
     gen: int = 0
+    inc: tuple | None = None  # the peer's incarnation whose registrations the rows were checked against
 
 
 _settle = threading.Lock()  # guards every job's state and waiter: held for a few instructions only
@@ -77,8 +78,8 @@ class _Job:
     completion vs cancellation); a waiter blocks on ``event``, made only
     when someone waits on a job still in flight."""
 
-    __slots__ = ("op", "lrows", "lkind", "rrows", "rkind", "notif", "peer", "rmapped", "rgen", "state", "future",
-                 "event", "nbytes", "indexed", "stream")
+    __slots__ = ("op", "lrows", "lkind", "rrows", "rkind", "notif", "peer", "rmapped", "rgen", "rinc", "state",
+                 "future", "event", "nbytes", "indexed", "stream")
 
     def __init__(self, op: Op, lrows: np.ndarray, lkind: MemKind, rrows: np.ndarray, rkind: MemKind,
                  notif: bytes | None, peer: "_Peer | None", rmapped: np.ndarray | None = None):
@@ -86,6 +87,7 @@ class _Job:
         self.notif, self.peer = notif, peer
         self.rmapped = rmapped  # remote rows, mapped into our address space (shm path)
         self.rgen = 0  # the peer's mapping generation rmapped belongs to (void once it moved)
+        self.rinc = None  # the peer incarnation rrows were checked against (another: its server judges them)
         self.state = XferState.PROC
         self.indexed = None  # (lp, li, rp, ri, lengths, checked): queued for the one-call path
         self.future = None
@@ -258,6 +260,7 @@ class _Peer:
         self.same_host = self.epoch is not None
         self.cma_ok = self.same_host
         self.failed: TransferError | None = None  # set when it dies or stops answering; cleared by fresh metadata
+        self.inc = _incarnation(md)  # after regions: prep reads it before them (see prep)
         if self.same_host and transport == "auto":
             for base, size, fd in segs.tolist():
                 if base not in self._maps:
@@ -527,12 +530,13 @@ class HostBackend(Backend):
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
         descs = self._prep_descs(descs)
         owner = None if peer is None else self._peers[peer]
+        inc = None if owner is None else owner.inc  # before its regions: a restart meanwhile leaves it old, never new
         self._within(descs, self._regions.of(descs.kind) if owner is None else owner.regions.get(descs.kind), peer)
         # translate once here, so the shm path costs no lookup per transfer; the generation first:
         # if the mappings go meanwhile, it is already old and the addresses are never used
         gen = 0 if owner is None else owner.gen
         mapped = owner.mapped(descs.array) if owner is not None and descs.kind is MemKind.DRAM else None
-        p = _Prep(peer, descs, mapped, owner=owner, gen=gen)
+        p = _Prep(peer, descs, mapped, owner=owner, gen=gen, inc=inc)
         if descs.kind is MemKind.DRAM and (owner is None or mapped is not None):
             p.addrs = np.ascontiguousarray(descs.addrs if owner is None else mapped, np.uint64)
             uniform = descs.uniform_length
@@ -561,7 +565,7 @@ class HostBackend(Backend):
         # mapped addresses only of this very peer object (not of one removed and added again)
         job = _Job(op, lrows, lp.descs.kind, rrows, rp.descs.kind, None if notif is None else bytes(notif), peer,
                    None if rp.mapped is None or rp.owner is not peer else rp.mapped[ri])
-        job.rgen = rp.gen
+        job.rgen, job.rinc = rp.gen, rp.inc
         uniform = lp.descs.uniform_length
         job.nbytes = len(li) * uniform if uniform is not None else int(lrows[:, 1].sum())
         h = self._next_id()
@@ -715,7 +719,7 @@ class HostBackend(Backend):
                                                  *guards, memcopy.BACKGROUND_THREADS)
         if got is not None and self._copied(got, job.op, job.peer, guards[2]):
             return True
-        job.lrows, job.rrows = lp.descs.array[li], rp.descs.array[ri]
+        job.lrows, job.rrows, job.rinc = lp.descs.array[li], rp.descs.array[ri], rp.inc
         if guards is not None and rp.mapped is not None:
             job.rmapped, job.rgen = rp.mapped[ri], rp.gen
         return False
@@ -725,8 +729,8 @@ class HostBackend(Backend):
         if job.lkind is not MemKind.DRAM or job.rkind is not MemKind.DRAM:
             return False
         p = job.peer  # (call holding its lane)
-        return p is None or (p.same_host and not p.epoch.stale and (p.cma_ok or job.rgen == p.gen and
-                                                                   job.rmapped is not None))
+        return p is None or (p.same_host and not p.epoch.stale and job.rinc == p.inc and
+                             (p.cma_ok or job.rgen == p.gen and job.rmapped is not None))
 
     def check_state(self, handle: XferHandle) -> XferState:
         if self._closed:
@@ -814,8 +818,10 @@ class HostBackend(Backend):
     def _move_same_host(self, job: _Job, peer: _Peer, local: np.ndarray) -> bool:
         """shm or cma; False if neither is possible (then tcp).  Neither when
         the peer deregistered memory since its metadata: its server then
-        judges the request against what it has registered now."""
-        if peer.epoch.stale:
+        judges the request against what it has registered now; nor when the
+        rows were checked against another process of the peer's name (a
+        prep from before it restarted)."""
+        if peer.epoch.stale or job.rinc != peer.inc:
             return False
         read = job.op is Op.READ
         mapped = job.rmapped if job.rgen == peer.gen else None  # its mappings went since: cma
