@@ -56,17 +56,34 @@ _ENV_NETNS, _ENV_HOST, _ENV_OPTIONS = "KVT_CONFORMANCE_PEER_NETNS", "KVT_CONFORM
 
 
 def freeze(pid: int, timeout: float = 5.0) -> None:
-    """SIGSTOP ``pid`` and return once the kernel reports it stopped (a
-    signal is delivered asynchronously: right after ``kill`` the process may
-    still run for a moment and answer, which would make a fault test lie)."""
+    """SIGSTOP ``pid`` and return once the kernel reports every thread of it
+    stopped (a signal is delivered asynchronously: right after ``kill`` the
+    process may still run for a moment and answer, which would make a fault
+    test lie; each thread stops on its own, the first one's state says
+    nothing of the others)."""
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
+        if all(state in ("T", "t", "Z", "X") for state in _thread_states(pid)):
+            return
         time.sleep(0.01)
     raise RuntimeError(f"process {pid} did not stop within {timeout:g}s")
+
+
+def _thread_states(pid: int) -> list[str]:
+    """The scheduler state of each thread of ``pid`` (``[]`` once it is gone)."""
+    states = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return states
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # the thread exited meanwhile
+    return states
 
 class PeerFailure(AssertionError):
     """The peer process failed in a way that is not a kvt error (a test bug or

@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from kvt_conformance.peer import freeze
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine import BLOCK, Engine  # noqa: E402
@@ -68,7 +69,7 @@ def test_abort_while_loading_holds_blocks_until_the_read_ends(engines):
     idle = decode.call("scheduler")
     assert idle["requests"] == 0
     handed, late = _handed(prefill, PROMPTS[1:3]), _handed(prefill, PROMPTS[3:])
-    prefill.proc.send_signal(signal.SIGSTOP)
+    freeze(prefill.proc.pid)  # returns once every thread stopped
     try:
         outs = decode.call("abort_after", PROMPTS[1:3], MAX_TOKENS, handed, 1.0)
         assert outs == [None, None], outs  # aborted before any token
@@ -103,7 +104,7 @@ def test_shutdown_with_reads_in_flight_is_bounded(engines):
     assert [o["tokens"] for o in decode.generate(PROMPTS[:1], MAX_TOKENS, _handed(prefill, PROMPTS[:1]))] \
         == expected[:1]  # handshake done: the reads below are posted in their first step
     handed = _handed(prefill, PROMPTS[1:3])
-    prefill.proc.send_signal(signal.SIGSTOP)
+    freeze(prefill.proc.pid)  # returns once every thread stopped
     try:
         started = decode.call("start", PROMPTS[1:3], MAX_TOKENS, handed, 1.0)
         if started["unfinished"] != 2:  # both reads stall here; CI once saw one request end (cause unknown)
