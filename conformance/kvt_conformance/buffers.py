@@ -53,14 +53,38 @@ def device_for(kind: MemKind) -> Any:
     return torch.device("cuda", torch.cuda.current_device()) if kind is MemKind.VRAM else _accelerator()
 
 
-class Buffer:
-    """``nbytes`` of zeroed memory of ``kind``.  Not registered by itself."""
+def _mapped_at(addr: int, nbytes: int) -> np.ndarray:
+    """Zeroed anonymous memory at exactly ``addr`` (Linux ``MAP_FIXED_NOREPLACE``:
+    never over an existing mapping), mapped until the process exits;
+    ``OSError`` if it cannot be had there."""
+    import ctypes
+    import mmap
 
-    def __init__(self, nbytes: int, kind: MemKind | str = MemKind.DRAM):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fixed_noreplace = 0x100000  # older kernels take it as a hint: the address check below catches that
+    got = libc.mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | fixed_noreplace, -1, 0)
+    if got != addr:
+        if got not in (None, ctypes.c_void_p(-1).value):
+            libc.munmap(ctypes.c_void_p(got), ctypes.c_size_t(nbytes))
+        raise OSError(ctypes.get_errno(), f"cannot map {nbytes} bytes at {addr:#x}")
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+class Buffer:
+    """``nbytes`` of zeroed memory of ``kind``.  Not registered by itself.
+    ``at``: DRAM at that very address (for a restarted peer with memory
+    where its first process had registered some); ``OSError`` if taken."""
+
+    def __init__(self, nbytes: int, kind: MemKind | str = MemKind.DRAM, at: int | None = None):
         self.kind = MemKind(kind)
         self.nbytes = int(nbytes)
+        if at is not None and self.kind is not MemKind.DRAM:
+            raise ValueError("only DRAM buffers can be placed at an address")
         if self.kind is MemKind.DRAM:
-            self.mem: Any = np.zeros(self.nbytes, np.uint8)
+            self.mem: Any = np.zeros(self.nbytes, np.uint8) if at is None else _mapped_at(at, self.nbytes)
             self.addr, self.device = self.mem.ctypes.data, 0
         else:
             import torch

@@ -76,8 +76,8 @@ class PeerView:
         return self.raw.name
 
     def alloc(self, nbytes: int, kind: MemKind | str = MemKind.DRAM, seed: int | None = None,
-              register: bool = True) -> peers.RemoteBuffer:
-        d = self.raw.alloc(nbytes, MemKind(kind).value, seed, register)
+              register: bool = True, at: int | None = None) -> peers.RemoteBuffer:
+        d = self.raw.alloc(nbytes, MemKind(kind).value, seed, register, at)
         self._keys.append(d["key"])
         return peers.RemoteBuffer(self.raw, d["key"], d["addr"], d["nbytes"], d["device"], MemKind(d["kind"]))
 

@@ -113,9 +113,11 @@ class PeerCore:
 
     # -- memory -----------------------------------------------------------------
 
-    def alloc(self, nbytes: int, kind: str = "DRAM", seed: int | None = None, register: bool = True) -> dict:
-        """A zeroed (or ``pattern(seed)``-filled) buffer, registered unless told not to."""
-        buf = Buffer(nbytes, kind)
+    def alloc(self, nbytes: int, kind: str = "DRAM", seed: int | None = None, register: bool = True,
+              at: int | None = None) -> dict:
+        """A zeroed (or ``pattern(seed)``-filled) buffer, registered unless told
+        not to (``at``: DRAM at that address, see ``Buffer``)."""
+        buf = Buffer(nbytes, kind, at)
         if seed is not None:
             buf.fill(seed)
         handle = self.backend.register(buf.region()) if register else None

@@ -16,9 +16,14 @@ from kvt.handshake import HandshakeServer, request
 from kvt.types import Op
 from kvt.wire import AgentInfo, encode
 
+from ..buffers import pattern
 from ..fixtures import BackendFixtures, expect_done, settle, settle_all
+from ..peer import PeerFailure
 from ..requirements import requires
 from ._common import assert_bytes
+
+#: where a peer maps the memory a restart test prepares (far from where Linux puts a process's own)
+_FIXED = 0x2F0000000000
 
 _MALFORMED = {
     "empty": lambda md: b"",
@@ -208,6 +213,48 @@ class MetadataTests(BackendFixtures):
         expect_done(backend, backend.transfer(op, lp, None, backend.prep(name, nbuf.blocks(4096, range(64))), None),
                     wait_for)
         assert_bytes(near.read(), nbuf.read(), "a transfer to the new incarnation")
+
+    @requires("remote")
+    @pytest.mark.parametrize("op", [Op.READ, Op.WRITE], ids=lambda o: o.value)
+    def test_a_prep_from_before_a_restart_reaches_only_what_the_new_process_registered(
+            self, make_backend, local_buffer, spawn_peer, target, wait_for, op):
+        """A remote prep made against a peer's first process and used after its
+        restart (same name; the new process's metadata added) reaches only
+        memory the new process registered.  Here the new process has memory
+        at the prepped addresses but registered other memory: the transfer
+        raises ``KvtError`` or ends ERR, and no byte moves either way (a
+        same-host shortcut trusting the first process's check reads or
+        writes the new process's memory)."""
+        if op not in target.caps.ops:
+            pytest.skip(f"{op.value} is not declared")
+        backend = make_backend()
+        old = spawn_peer()
+        try:
+            obuf = old.alloc(1 << 16, seed=11, at=_FIXED)
+        except PeerFailure as e:
+            if "OSError" not in str(e):
+                raise
+            pytest.skip(f"the peer cannot map memory at {_FIXED:#x} (taken, or not Linux): {e}")
+        name = backend.add_remote(old.metadata())
+        near = local_buffer(1 << 16, seed=12, owner=backend)
+        lp, rp = backend.prep(None, near.blocks(4096, range(16))), backend.prep(name, obuf.blocks(4096, range(16)))
+        expect_done(backend, backend.transfer(op, lp, None, rp, None), wait_for)
+        old.kill()
+        new = spawn_peer(name=name)
+        unregistered = new.alloc(1 << 16, seed=13, at=_FIXED, register=False)
+        new.alloc(1 << 16, seed=14)  # what it registers
+        near.fill(12)
+        assert backend.add_remote(new.metadata()) == name
+        try:
+            state = settle(backend, backend.transfer(op, lp, None, rp, None), wait_for)
+        except KvtError:
+            state = None  # refused before any byte moved: fine
+        assert state is None or state.failed, (
+            f"a {op.value} through a prep of the peer's first process ended {state} after its restart, with rows "
+            "its new process never registered")
+        assert_bytes(near.read(), pattern(12, 1 << 16), f"our memory after the refused {op.value}")
+        assert_bytes(unregistered.read(), pattern(13, 1 << 16), f"the new process's unregistered memory after the "
+                     f"refused {op.value}")
 
     @pytest.mark.parametrize("how", list(_MALFORMED))
     def test_malformed_metadata(self, backend, local_buffer, peer, target, wait_for, how):

@@ -91,6 +91,7 @@ class _Prep:
     descs: Descs
     local: np.ndarray       # (n, 2) uint64: address, length (this list as the local side)
     remote: np.ndarray      # (n, 3) uint64: address, length, key index (as the remote side)
+    owner: Any = None       # the _Peer whose regions (and keys) the rows were checked against
 
 
 class _Xfer:
@@ -365,14 +366,28 @@ class UcxBackend(Backend):
 
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
         descs = self._prep_descs(descs)
-        region = self._within(descs, self._regions.of(descs.kind) if peer is None else self._peer(peer).regions, peer)
-        rows = descs.array
-        table = np.empty((len(rows), 3), np.uint64)
-        table[:, :2] = rows[:, :2]
-        table[:, 2] = region
+        owner = None if peer is None else self._peer(peer)
         h = self._next_id()
-        self._preps[h] = _Prep(peer, descs, np.ascontiguousarray(table[:, :2]), table)
+        self._preps[h] = self._checked(peer, descs, owner)
         return PrepHandle(h)
+
+    def _checked(self, peer: str | None, descs: Descs, owner: "_Peer | None") -> _Prep:
+        """``descs`` checked against our registrations or ``owner``'s, with each row's key index."""
+        region = self._within(descs, self._regions.of(descs.kind) if owner is None else owner.regions, peer)
+        table = np.empty((len(descs), 3), np.uint64)
+        table[:, :2] = descs.array[:, :2]
+        table[:, 2] = region
+        return _Prep(peer, descs, np.ascontiguousarray(table[:, :2]), table, owner)
+
+    def _recheck(self, handle: PrepHandle, rp: _Prep, peer: "_Peer") -> _Prep:
+        """A remote prep made before its peer was re-added (a restart registers
+        other memory, and key indices name the new keys): checked again against
+        what the peer registers now (``InvalidDescriptor`` if outside), once."""
+        new = self._checked(rp.peer, rp.descs, peer)
+        with self._lock:
+            if self._preps.get(handle) is rp:  # not released meanwhile
+                self._preps[handle] = new
+        return new
 
     def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
@@ -402,6 +417,8 @@ class UcxBackend(Backend):
                 raise InvalidArgument("registrations changed since this local prep; prep the descriptors again")
         if peer.failed is not None:
             return self._given_up(op, peer)
+        if rp.owner is not peer and rp.peer is not None:
+            rp = self._recheck(remote_prep, rp, peer)
         if lp.descs.kind is not rp.descs.kind:
             raise InvalidArgument(f"local {lp.descs.kind.value} and remote {rp.descs.kind.value} descriptors")
         w = peer.epoch
