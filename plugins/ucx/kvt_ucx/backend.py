@@ -72,6 +72,11 @@ class UcxMetadata(Message, tag="ucx_rma_md"):
     epoch: int = 0
 
 
+def _process(md: UcxMetadata) -> tuple:
+    """What stays while a peer's process lives (its metadata's rows and keys may change)."""
+    return md.address, md.host, md.pid, md.start
+
+
 @dataclass
 class _Peer:
     md: UcxMetadata
@@ -83,6 +88,7 @@ class _Peer:
     pidfd: int = -1                  # same host: readable once it exited (our own dup of the C watch's)
     failed: TransferError | None = None  # it stopped answering: disconnected until its metadata is re-added
     dropped: bool = False            # its keys and endpoint are closed (once: see _drop)
+    retired: bool = False            # replaced by its own refreshed metadata: dropped once idle (_reap)
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,7 @@ class UcxBackend(Backend):
         self._xfers = HandleTable("transfer")
         self._peers = PeerTable()  # name -> _Peer
         self._self: _Peer | None = None  # ourselves as a peer, for local transfers
+        self._retired: list[_Peer] = []  # replaced by the same process's new metadata, transfers still in flight
         self._inbox = Inbox()
         self._epoch = Epoch()  # bumped by deregister, watched by same-host peers
 
@@ -309,15 +316,43 @@ class UcxBackend(Backend):
         with self._lock:
             old = self._peers.pop(md.name, None)
             self._peers[md.name] = peer
-        if old is not None and old.failed is None:  # a failed one is disconnected already
-            self._drop(old, PeerDisconnected(f"peer {md.name!r} was replaced by new metadata"))
+            if old is not None and old.failed is None and _process(old.md) == _process(md):
+                # the same process registered or deregistered memory: what is in flight to it
+                # finishes on the old endpoint and keys, freed once it settled
+                old.retired = True
+                self._retired.append(old)
+                old = None
+            gone = self._take_retired(md.name) if old is not None else []
+        for p in [old, *gone]:
+            if p is not None and p.failed is None:  # a failed one is disconnected already
+                self._drop(p, PeerDisconnected(f"peer {md.name!r} was replaced by new metadata"))
+        self._reap()
         return md.name
 
     def remove_remote(self, peer: str) -> None:
         self._check_open()
         with self._lock:
             p = self._peers.remove(peer)
-        self._drop(p, PeerDisconnected(f"peer {peer!r} was removed"))
+            gone = self._take_retired(peer)
+        for q in [p, *gone]:
+            self._drop(q, PeerDisconnected(f"peer {peer!r} was removed"))
+
+    def _take_retired(self, name: str) -> list[_Peer]:
+        """Retired connections to ``name``, no longer kept (call holding the lock)."""
+        gone = [p for p in self._retired if p.md.name == name]
+        self._retired = [p for p in self._retired if p.md.name != name]
+        return gone
+
+    def _reap(self) -> None:
+        """Free retired connections nothing is in flight on any more."""
+        if not self._retired:
+            return
+        busy = {id(x.peer) for x in list(self._xfers.values()) if x.state.status is _PROC_STATUS}
+        with self._lock:
+            idle = [p for p in self._retired if id(p) not in busy]
+            self._retired = [p for p in self._retired if id(p) in busy]
+        for p in idle:
+            self._drop(p, TransferError("unused"))  # (nothing left in flight for it to end)
 
     def _fail(self, p: _Peer, cause: TransferError) -> None:
         """``p`` did not finish a transfer in time: disconnect it.  Closing the
@@ -513,6 +548,8 @@ class UcxBackend(Backend):
                 f"peer {x.peer.md.name!r} (pid {x.peer.md.pid}) exited during {x.op.value}"))
         else:
             x.state = XferState.err(native.error_of(st, f"{x.op.value} with {x.peer.md.name!r}"))
+        if x.peer.retired and x.state.status is not _PROC_STATUS:
+            self._reap()
         return x.state
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
@@ -531,8 +568,11 @@ class UcxBackend(Backend):
         x = self._xfers.pop(handle, None) if x is not None else None
         if x is None:  # a prep, or no handle at all
             take_handle(self._preps, self._xfers, handle)
-        elif x.state.status is _PROC_STATUS:
+            return
+        if x.state.status is _PROC_STATUS:
             self._end(x, XferState.err(TransferError("released before completion")))
+        if x.peer.retired:
+            self._reap()
 
     # -- notifications --------------------------------------------------------
 
@@ -557,8 +597,9 @@ class UcxBackend(Backend):
             return
         self._closed = True
         with self._lock:
-            peers = list(self._peers.values()) + ([self._self] if self._self else [])
+            peers = list(self._peers.values()) + ([self._self] if self._self else []) + self._retired
             self._peers.clear()
+            self._retired = []
             self._self = None
         for p in peers:
             self._drop(p, TransferError("backend closed"))
