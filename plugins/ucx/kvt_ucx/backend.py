@@ -351,8 +351,9 @@ class UcxBackend(Backend):
         with self._lock:
             idle = [p for p in self._retired if id(p) not in busy]
             self._retired = [p for p in self._retired if id(p) in busy]
-        for p in idle:
-            self._drop(p, TransferError("unused"))  # (nothing left in flight for it to end)
+        for p in idle:  # a transfer posted on it after the scan above (it raced add_remote) ends with:
+            self._drop(p, PeerDisconnected(f"peer {p.md.name!r} was re-added with new metadata while this "
+                                           "transfer was posted on its old connection; post it again"))
 
     def _fail(self, p: _Peer, cause: TransferError) -> None:
         """``p`` did not finish a transfer in time: disconnect it.  Closing the
