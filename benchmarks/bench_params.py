@@ -6,10 +6,12 @@ check and the used-once memory on the decode side).
 
 Per request: the prefill scheduler's ``request_finished`` (signs with a
 key), then the decode scheduler's ``get_num_new_matched_tokens`` and
-``update_state_after_alloc`` (each parses and checks the params, as vLLM
-calls them) and ``build_connector_meta``.  Without a key is the baseline of
-the same run; ``json`` is a ``json.loads(json.dumps(params))`` round trip,
-what the params cost the router and vLLM's HTTP layer anyway.  Medians.
+``update_state_after_alloc`` (as vLLM calls them) and
+``build_connector_meta``.  Without a key is the baseline of the same run;
+``json`` is a ``json.loads(json.dumps(params))`` round trip, what the
+params cost the router and vLLM's HTTP layer anyway; ``wait step`` is one
+more ``get_num_new_matched_tokens`` of a request already asked about, what
+vLLM spends on it every step it waits for free blocks.  Medians.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def schedulers(key: str | None) -> tuple[ConnectorScheduler, ConnectorScheduler]
         os.environ.pop("KVT_AUTH_KEY", None)
 
 
-def one(prefill: ConnectorScheduler, decode: ConnectorScheduler, blocks: list[int], i: int) -> tuple[float, float, float]:
-    """(prefill seconds, decode seconds, json round-trip seconds) of one request."""
+def one(prefill: ConnectorScheduler, decode: ConnectorScheduler, blocks: list[int], i: int) -> tuple[float, ...]:
+    """(prefill, decode, json round trip, wait step) seconds of one request."""
     tokens = len(blocks) * SPEC.block_size
     t0 = time.perf_counter()
     _, params = prefill.request_finished(EngineRequest(f"p{i}", tokens, {"do_remote_decode": True}), blocks)
@@ -50,7 +52,16 @@ def one(prefill: ConnectorScheduler, decode: ConnectorScheduler, blocks: list[in
     decode.update_state_after_alloc(req, blocks, n)
     assert decode.build_connector_meta().reqs_to_recv
     t3 = time.perf_counter()
-    return t1 - t0, t3 - t2, t2 - t1
+    _, params = prefill.request_finished(EngineRequest(f"w{i}", tokens, {"do_remote_decode": True}), blocks)
+    prefill.build_connector_meta()
+    waiting = EngineRequest(f"w{i}", tokens, json.loads(json.dumps(params)))
+    assert decode.get_num_new_matched_tokens(waiting, 0)[0] == tokens
+    t4 = time.perf_counter()
+    decode.get_num_new_matched_tokens(waiting, 0)
+    t5 = time.perf_counter()
+    decode.request_finished(waiting, [], aborted=True)
+    assert decode.build_connector_meta().reqs_to_recv
+    return t1 - t0, t3 - t2, t2 - t1, t5 - t4
 
 
 def main() -> None:
@@ -58,18 +69,18 @@ def main() -> None:
     ap.add_argument("--blocks", default="16,1024,100000")
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
-    print(f"{'blocks':>8} {'key':>4} {'prefill us':>11} {'decode us':>10} {'json us':>8}")
+    print(f"{'blocks':>8} {'key':>4} {'prefill us':>11} {'decode us':>10} {'json us':>8} {'wait step us':>13}")
     for nblocks in map(int, args.blocks.split(",")):
         blocks = list(range(nblocks))
         reps = max(5, args.reps * 1024 // max(nblocks, 1024))
         pairs = {"no": schedulers(None), "yes": schedulers("bench-" + "k" * 32)}
-        times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in pairs}
+        times: dict[str, list[tuple[float, ...]]] = {k: [] for k in pairs}
         for i in range(reps):  # alternate, so machine load hits both alike
             for k, (p, d) in pairs.items():
                 times[k].append(one(p, d, blocks, i))
         for k, ts in times.items():
-            med = [statistics.median(t[j] for t in ts) * 1e6 for j in range(3)]
-            print(f"{nblocks:>8} {k:>4} {med[0]:>11.1f} {med[1]:>10.1f} {med[2]:>8.1f}")
+            med = [statistics.median(t[j] for t in ts) * 1e6 for j in range(4)]
+            print(f"{nblocks:>8} {k:>4} {med[0]:>11.1f} {med[1]:>10.1f} {med[2]:>8.1f} {med[3]:>13.1f}")
 
 
 if __name__ == "__main__":

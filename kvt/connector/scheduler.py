@@ -32,7 +32,7 @@ import hashlib
 import heapq
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
@@ -112,6 +112,43 @@ class _Spent:
         heapq.heappush(self._heap, (until, self._seq, digest))
 
 
+class _Checked:
+    """Decode requests' params already parsed and checked, by request id, kept
+    until the request is scheduled or ends (at most ``MAX``; past it the
+    oldest is dropped and parsed again when asked).  An entry counts only
+    for the very params it was made from: the same dict, holding the same
+    keys and value objects, with ``do_remote_prefill`` still set."""
+
+    MAX = 1024
+    _FLAGS = ("do_remote_prefill", "do_remote_decode")  # the engine flips these; they are not checked
+
+    def __init__(self) -> None:
+        self._by: OrderedDict[str, tuple[Mapping, tuple, TransferParams]] = OrderedDict()
+
+    @classmethod
+    def _items(cls, params: Mapping) -> tuple:
+        return tuple((k, v) for k, v in params.items() if k not in cls._FLAGS)
+
+    def get(self, req_id: str, params: Any) -> TransferParams | None:
+        hit = self._by.get(req_id)
+        if hit is None or hit[0] is not params or not params.get("do_remote_prefill"):
+            return None
+        items = self._items(params)
+        same = len(items) == len(hit[1]) and all(k == j and v is w for (k, v), (j, w) in zip(items, hit[1]))
+        return hit[2] if same else None
+
+    def put(self, req_id: str, params: Mapping, p: TransferParams) -> None:
+        self._by.pop(req_id, None)
+        if len(self._by) >= self.MAX:
+            self._by.popitem(last=False)
+        self._by[req_id] = (params, self._items(params), p)
+
+    def pop(self, req_id: str, params: Any) -> TransferParams | None:
+        p = self.get(req_id, params)
+        self._by.pop(req_id, None)
+        return p
+
+
 class ConnectorScheduler:
     """Scheduler side of one engine."""
 
@@ -126,6 +163,7 @@ class ConnectorScheduler:
         self._loading: set[str] = set()
         self._saved: dict[str, np.ndarray] = {}  # host staging: each prefill request's blocks so far
         self._spent = _Spent()
+        self._checked = _Checked()
 
     def set_worker_endpoints(self, endpoints: Mapping[int, str]) -> None:
         """The handshake endpoint of every rank (each worker's
@@ -140,23 +178,35 @@ class ConnectorScheduler:
 
     def _source(self, request: Request) -> TransferParams | None:
         """The request's params if it is to be read from a prefill engine;
-        ``InvalidArgument`` if they cannot be."""
-        p = TransferParams.parse(request.kv_transfer_params)
-        if p is None or not p.do_remote_prefill:
-            return None
-        if self.config.kv_role == "kv_producer":
-            raise InvalidArgument("this engine's kv_role is kv_producer: it loads no KV from other engines; "
-                                  "send do_remote_prefill requests to a kv_consumer or kv_both engine")
-        if p.remote_block_ids and (why := self._problem(p)):
+        ``InvalidArgument`` if they cannot be.  Parsed and checked once per
+        request (vLLM asks again every step a request waits for blocks, and
+        the tag of 100,000 block ids costs a millisecond); the used-once
+        check runs every time."""
+        params = request.kv_transfer_params
+        p = self._checked.get(request.request_id, params)
+        if p is None:
+            p = TransferParams.parse(params)
+            if p is None or not p.do_remote_prefill:
+                return None
+            if self.config.kv_role == "kv_producer":
+                raise InvalidArgument("this engine's kv_role is kv_producer: it loads no KV from other engines; "
+                                      "send do_remote_prefill requests to a kv_consumer or kv_both engine")
+            if p.remote_block_ids and (why := self._problem(p, spent=False)):
+                raise InvalidArgument(f"request {request.request_id!r}: {why}")
+            self._checked.put(request.request_id, params, p)
+        if p.remote_block_ids and (why := self._spent_problem(p)):
             raise InvalidArgument(f"request {request.request_id!r}: {why}")
         return p
 
-    def _problem(self, p: TransferParams) -> str | None:
+    def _problem(self, p: TransferParams, spent: bool = True) -> str | None:
         """Why the blocks ``p`` names must not be read (or released) on its say-so."""
         if why := p.source_problem(self._secret):
             return why
         if why := tp_problem(self.config.kv, p.tp_size, self.config.tp_size):
             return why
+        return self._spent_problem(p) if spent else None
+
+    def _spent_problem(self, p: TransferParams) -> str | None:
         if user := self._spent.user((p.remote_engine_id, p.remote_request_id)):
             return (f"its kv_transfer_params (prefill request {p.remote_request_id!r} of {p.remote_engine_id!r}) "
                     f"were used already, by request {user!r}; the prefill engine frees those blocks after one "
@@ -205,6 +255,7 @@ class ConnectorScheduler:
                 self._stage(req_id, np.asarray(block_ids, np.int64))
             return
         p = self._source(request)
+        self._checked.pop(req_id, None)  # scheduled: asked no more
         if p is None:
             return
         end = self._end_block(request, p)
@@ -273,17 +324,22 @@ class ConnectorScheduler:
         a request that ends before its read was scheduled tells the prefill
         side to free now."""
         req_id, params = request.request_id, request.kv_transfer_params
+        checked = self._checked.pop(req_id, params)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):  # decode side, never scheduled (wins over do_remote_decode)
             params["do_remote_prefill"] = False
             if params.get("do_remote_decode"):
                 params["do_remote_decode"] = False
-            try:
-                p = TransferParams.parse(params)
-            except InvalidArgument:
-                return False, None  # nothing we could have read, nobody to tell
-            if p.remote_block_ids and not self._problem(p):
+            p = checked
+            if p is None:
+                try:
+                    p = TransferParams.parse(params)
+                except InvalidArgument:
+                    return False, None  # nothing we could have read, nobody to tell
+                if p.remote_block_ids and self._problem(p, spent=False):
+                    return False, None
+            if p.remote_block_ids and not self._spent_problem(p):
                 self._recv(req_id, p, [], [])
             return False, None
         if req_id in self._loading:

@@ -262,6 +262,76 @@ def test_auth_key_on_one_side_only(monkeypatch):
     assert ConnectorScheduler(config("d")).get_num_new_matched_tokens(EngineRequest("r", 8, signed), 0) == (8, True)
 
 
+def _count_parses(monkeypatch) -> list:
+    calls = []
+    parse = TransferParams.parse.__func__
+    monkeypatch.setattr(TransferParams, "parse", classmethod(lambda cls, p: calls.append(1) or parse(cls, p)))
+    return calls
+
+
+def test_a_waiting_requests_params_are_parsed_and_checked_once(monkeypatch):
+    # vLLM asks get_num_new_matched_tokens every step a request waits for blocks
+    monkeypatch.setenv("KVT_AUTH_KEY", KEY)
+    _, (_, params) = prefill_params([20, 21, 22])
+    sched = ConnectorScheduler(config("d"))
+    calls = _count_parses(monkeypatch)
+    req = EngineRequest("waits", 12, dict(params))
+    for _ in range(5):
+        assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    sched.update_state_after_alloc(req, [5, 6, 7], 12)
+    assert len(calls) == 1
+    assert sched.build_connector_meta().reqs_to_recv["waits"].remote.block_ids == [20, 21, 22]
+    # and a request that ends while waiting tells the prefill side from the same check
+    waiting = EngineRequest("gives-up", 12, dict(prefill_params([30, 31, 32], "p-other")[1][1]))
+    sched.get_num_new_matched_tokens(waiting, 0)
+    assert sched.request_finished(waiting, [], aborted=True) == (False, None)
+    assert len(calls) == 2 and sched.build_connector_meta().reqs_to_recv["gives-up"].local_block_ids == []
+
+
+@pytest.mark.parametrize("change", [
+    lambda p: p.__setitem__("remote_block_ids", [20, 21, 99]),      # a new list
+    lambda p: p.__setitem__("remote_request_id", "someone-elses"),  # a new value
+    lambda p: p.pop("kvt_mac"),                                     # a key gone
+], ids=["new-list", "new-value", "key-gone"])
+def test_params_changed_while_waiting_are_checked_again(monkeypatch, change):
+    monkeypatch.setenv("KVT_AUTH_KEY", KEY)
+    _, (_, params) = prefill_params([20, 21, 22])
+    sched = ConnectorScheduler(config("d"))
+    req = EngineRequest("r", 12, dict(params))
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+    change(req.kv_transfer_params)
+    with pytest.raises(InvalidArgument, match="kvt_mac"):
+        sched.get_num_new_matched_tokens(req, 0)
+    req.kv_transfer_params = dict(params)  # a new dict with the signed values passes again
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)
+
+
+def test_params_used_meanwhile_by_another_request_are_refused_on_the_next_ask():
+    _, (_, params) = prefill_params([20, 21, 22])
+    sched = ConnectorScheduler(config("d"))
+    first, second = EngineRequest("first", 12, dict(params)), EngineRequest("second", 12, dict(params))
+    assert sched.get_num_new_matched_tokens(second, 0) == (12, True)  # checked and remembered
+    sched.update_state_after_alloc(first, [1, 2, 3], sched.get_num_new_matched_tokens(first, 0)[0])
+    with pytest.raises(InvalidArgument, match="used already, by request 'first'"):
+        sched.get_num_new_matched_tokens(second, 0)
+
+
+def test_remembered_checks_are_bounded(monkeypatch):
+    from kvt.connector.scheduler import _Checked
+
+    monkeypatch.setattr(_Checked, "MAX", 4)
+    _, (_, params) = prefill_params([20, 21, 22])
+    sched = ConnectorScheduler(config("d"))
+    calls = _count_parses(monkeypatch)
+    reqs = [EngineRequest(f"r{i}", 12, dict(params)) for i in range(6)]
+    for r in reqs:
+        sched.get_num_new_matched_tokens(r, 0)
+    assert len(sched._checked._by) == 4
+    sched.get_num_new_matched_tokens(reqs[-1], 0)  # kept
+    sched.get_num_new_matched_tokens(reqs[0], 0)   # dropped: parsed again
+    assert len(calls) == 7
+
+
 def test_prefill_frees_short_and_aborted_requests_at_once():
     sched = ConnectorScheduler(config("p", side_channel_port=7000))
     delay, params = sched.request_finished(EngineRequest("short", 3, {"do_remote_decode": True}), [1])
