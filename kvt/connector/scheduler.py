@@ -145,8 +145,11 @@ class _Checked:
 
     def pop(self, req_id: str, params: Any) -> TransferParams | None:
         p = self.get(req_id, params)
-        self._by.pop(req_id, None)
+        self.discard(req_id)
         return p
+
+    def discard(self, req_id: str) -> None:
+        self._by.pop(req_id, None)
 
 
 class ConnectorScheduler:
@@ -191,20 +194,17 @@ class ConnectorScheduler:
             if self.config.kv_role == "kv_producer":
                 raise InvalidArgument("this engine's kv_role is kv_producer: it loads no KV from other engines; "
                                       "send do_remote_prefill requests to a kv_consumer or kv_both engine")
-            if p.remote_block_ids and (why := self._problem(p, spent=False)):
+            if p.remote_block_ids and (why := self._problem(p)):
                 raise InvalidArgument(f"request {request.request_id!r}: {why}")
             self._checked.put(request.request_id, params, p)
         if p.remote_block_ids and (why := self._spent_problem(p)):
             raise InvalidArgument(f"request {request.request_id!r}: {why}")
         return p
 
-    def _problem(self, p: TransferParams, spent: bool = True) -> str | None:
-        """Why the blocks ``p`` names must not be read (or released) on its say-so."""
-        if why := p.source_problem(self._secret):
-            return why
-        if why := tp_problem(self.config.kv, p.tp_size, self.config.tp_size):
-            return why
-        return self._spent_problem(p) if spent else None
+    def _problem(self, p: TransferParams) -> str | None:
+        """Why the blocks ``p`` names must not be read (or released) on its
+        say-so, whoever carries it (``_spent_problem``: whether it was used)."""
+        return p.source_problem(self._secret) or tp_problem(self.config.kv, p.tp_size, self.config.tp_size)
 
     def _spent_problem(self, p: TransferParams) -> str | None:
         if user := self._spent.user((p.remote_engine_id, p.remote_request_id)):
@@ -255,7 +255,7 @@ class ConnectorScheduler:
                 self._stage(req_id, np.asarray(block_ids, np.int64))
             return
         p = self._source(request)
-        self._checked.pop(req_id, None)  # scheduled: asked no more
+        self._checked.discard(req_id)  # scheduled: asked no more
         if p is None:
             return
         end = self._end_block(request, p)
@@ -337,7 +337,7 @@ class ConnectorScheduler:
                     p = TransferParams.parse(params)
                 except InvalidArgument:
                     return False, None  # nothing we could have read, nobody to tell
-                if p.remote_block_ids and self._problem(p, spent=False):
+                if p.remote_block_ids and self._problem(p):
                     return False, None
             if p.remote_block_ids and not self._spent_problem(p):
                 self._recv(req_id, p, [], [])
