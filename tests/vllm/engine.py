@@ -78,6 +78,11 @@ class Engine:
             raise RuntimeError(f"engine {self.name}: {op} failed:\n{value}")
         return value
 
+    def metric(self, name: str) -> float:
+        """A counter's or gauge's value, a histogram's count (``name + "_sum"``: its sum); 0 if absent."""
+        metrics = dict(self.call("metrics"))
+        return metrics.get(name, metrics.get(name + "_total", 0)) or 0
+
     def generate(self, prompts: list[list[int]], max_tokens: int, params: list[dict | None] | None = None,
                  timeout: float = 120.0, sampling: dict | None = None) -> list[dict]:
         """Greedy outputs: ``{"tokens", "finish_reason", "kv_transfer_params"}`` per prompt

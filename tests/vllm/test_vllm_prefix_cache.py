@@ -34,11 +34,6 @@ PROMPTS = {
 }
 
 
-def _metric(engine: Engine, name: str) -> float:
-    metrics = dict(engine.call("metrics"))
-    return metrics.get(name, metrics.get(name + "_total", 0)) or 0
-
-
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
     """(plain, prefill, decode), all three with prefix caching."""
@@ -72,7 +67,7 @@ def test_prefix_hits_read_only_what_decode_lacks(engines):
     read = []  # blocks kvt read into the decode engine, after each prompt
 
     def blocks_read() -> float:
-        return _metric(decode, "vllm:kvt_bytes_transferred_sum") / BLOCK_BYTES
+        return decode.metric("vllm:kvt_bytes_transferred_sum") / BLOCK_BYTES
 
     before = blocks_read()
     for name, hit_blocks in (("base", 0), ("shares_3_blocks", 3), ("base_again", 6), ("fresh", 0)):
@@ -93,4 +88,4 @@ def test_prefill_frees_what_decode_read_or_already_had(engines):
     _through(prefill, decode, "base_again")  # a full hit again: decode only notifies
     time.sleep(HOLD + 2)
     prefill.generate([PROMPTS["fresh"]], 1)  # the engine steps, so the connector reports
-    assert _metric(prefill, "vllm:kvt_num_expired_sends") == 0
+    assert prefill.metric("vllm:kvt_num_expired_sends") == 0

@@ -28,11 +28,6 @@ _rng = random.Random(23)
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(PROMPT_BLOCKS * BLOCK)] for _ in range(4)]
 
 
-def _metric(engine: Engine, name: str) -> float:
-    metrics = dict(engine.call("metrics"))
-    return metrics.get(name, metrics.get(name + "_total", 0)) or 0
-
-
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
     """(prefill, decode with ``BLOCKS`` blocks, decode's own outputs for PROMPTS)."""
@@ -64,12 +59,12 @@ def test_requests_waiting_for_blocks_are_each_read_once_in_full(engines):
     assert decode.call("scheduler")["blocks"] <= BLOCKS  # so at most one request runs at a time
     handed = [o["kv_transfer_params"] for o in prefill.generate(PROMPTS, 1, [{"do_remote_decode": True}] * 4)]
     assert all(len(p["remote_block_ids"]) == PROMPT_BLOCKS and p.get("kvt_mac") for p in handed)
-    before = _metric(decode, "vllm:kvt_bytes_transferred_sum")
+    before = decode.metric("vllm:kvt_bytes_transferred_sum")
     outs = decode.generate(PROMPTS, MAX_TOKENS, handed)
     assert [o["tokens"] for o in outs] == own
-    read = (_metric(decode, "vllm:kvt_bytes_transferred_sum") - before) / BLOCK_BYTES
+    read = (decode.metric("vllm:kvt_bytes_transferred_sum") - before) / BLOCK_BYTES
     assert read == 4 * PROMPT_BLOCKS  # none refused (computed by decode instead), none read twice
-    assert _metric(decode, "vllm:kvt_num_malformed_params") == 0
+    assert decode.metric("vllm:kvt_num_malformed_params") == 0
     assert decode.call("scheduler")["requests"] == 0
     prefill.generate([PROMPTS[0]], 1)  # the prefill engine steps, so it takes the readers' notifications
     assert prefill.call("scheduler")["requests"] == 0  # each released by its reader
