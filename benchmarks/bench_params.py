@@ -11,7 +11,9 @@ key), then the decode scheduler's ``get_num_new_matched_tokens`` and
 ``json`` is a ``json.loads(json.dumps(params))`` round trip, what the
 params cost the router and vLLM's HTTP layer anyway; ``wait step`` is one
 more ``get_num_new_matched_tokens`` of a request already asked about, what
-vLLM spends on it every step it waits for free blocks.  Medians.
+vLLM spends on it every step it waits for free blocks; ``after load`` is
+the ask vLLM makes once more after the load was scheduled (its
+``do_remote_prefill`` cleared).  Medians.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def schedulers(key: str | None) -> tuple[ConnectorScheduler, ConnectorScheduler]
 
 
 def one(prefill: ConnectorScheduler, decode: ConnectorScheduler, blocks: list[int], i: int) -> tuple[float, ...]:
-    """(prefill, decode, json round trip, wait step) seconds of one request."""
+    """(prefill, decode, json round trip, wait step, after load) seconds of one request."""
     tokens = len(blocks) * SPEC.block_size
     t0 = time.perf_counter()
     _, params = prefill.request_finished(EngineRequest(f"p{i}", tokens, {"do_remote_decode": True}), blocks)
@@ -52,6 +54,8 @@ def one(prefill: ConnectorScheduler, decode: ConnectorScheduler, blocks: list[in
     decode.update_state_after_alloc(req, blocks, n)
     assert decode.build_connector_meta().reqs_to_recv
     t3 = time.perf_counter()
+    assert decode.get_num_new_matched_tokens(req, n) == (0, False)
+    t_after = time.perf_counter() - t3
     _, params = prefill.request_finished(EngineRequest(f"w{i}", tokens, {"do_remote_decode": True}), blocks)
     prefill.build_connector_meta()
     waiting = EngineRequest(f"w{i}", tokens, json.loads(json.dumps(params)))
@@ -61,7 +65,7 @@ def one(prefill: ConnectorScheduler, decode: ConnectorScheduler, blocks: list[in
     t5 = time.perf_counter()
     decode.request_finished(waiting, [], aborted=True)
     assert decode.build_connector_meta().reqs_to_recv
-    return t1 - t0, t3 - t2, t2 - t1, t5 - t4
+    return t1 - t0, t3 - t2, t2 - t1, t5 - t4, t_after
 
 
 def main() -> None:
@@ -69,7 +73,7 @@ def main() -> None:
     ap.add_argument("--blocks", default="16,1024,100000")
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
-    print(f"{'blocks':>8} {'key':>4} {'prefill us':>11} {'decode us':>10} {'json us':>8} {'wait step us':>13}")
+    print(f"{'blocks':>8} {'key':>4} {'prefill us':>11} {'decode us':>10} {'json us':>8} {'wait step us':>13} {'after load us':>14}")
     for nblocks in map(int, args.blocks.split(",")):
         blocks = list(range(nblocks))
         reps = max(5, args.reps * 1024 // max(nblocks, 1024))
@@ -79,8 +83,8 @@ def main() -> None:
             for k, (p, d) in pairs.items():
                 times[k].append(one(p, d, blocks, i))
         for k, ts in times.items():
-            med = [statistics.median(t[j] for t in ts) * 1e6 for j in range(4)]
-            print(f"{nblocks:>8} {k:>4} {med[0]:>11.1f} {med[1]:>10.1f} {med[2]:>8.1f} {med[3]:>13.1f}")
+            med = [statistics.median(t[j] for t in ts) * 1e6 for j in range(5)]
+            print(f"{nblocks:>8} {k:>4} {med[0]:>11.1f} {med[1]:>10.1f} {med[2]:>8.1f} {med[3]:>13.1f} {med[4]:>14.1f}")
 
 
 if __name__ == "__main__":

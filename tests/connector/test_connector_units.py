@@ -281,6 +281,9 @@ def test_a_waiting_requests_params_are_parsed_and_checked_once(monkeypatch):
     sched.update_state_after_alloc(req, [5, 6, 7], 12)
     assert len(calls) == 1
     assert sched.build_connector_meta().reqs_to_recv["waits"].remote.block_ids == [20, 21, 22]
+    # vLLM asks once more after the load: do_remote_prefill is cleared, nothing to load, nothing parsed
+    assert sched.get_num_new_matched_tokens(req, 12) == (0, False)
+    assert len(calls) == 1
     # and a request that ends while waiting tells the prefill side from the same check
     waiting = EngineRequest("gives-up", 12, dict(prefill_params([30, 31, 32], "p-other")[1][1]))
     sched.get_num_new_matched_tokens(waiting, 0)
