@@ -186,8 +186,10 @@ class ConnectorScheduler:
         the tag of 100,000 block ids costs a millisecond); the used-once
         check runs every time."""
         params = request.kv_transfer_params
-        if isinstance(params, Mapping) and not params.get("do_remote_prefill"):
-            return None  # nothing to load (e.g. asked again after the load): not parsed, whatever else it holds
+        if isinstance(params, Mapping) and not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+            # nothing to load or hand off (vLLM asks again after the load, both flags cleared): not parsed;
+            # a prefill request's params (do_remote_decode) are, so malformed ones are refused before its hand-off
+            return None
         p = self._checked.get(request.request_id, params)
         if p is None:
             p = TransferParams.parse(params)

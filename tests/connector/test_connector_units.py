@@ -289,6 +289,9 @@ def test_a_waiting_requests_params_are_parsed_and_checked_once(monkeypatch):
     sched.get_num_new_matched_tokens(waiting, 0)
     assert sched.request_finished(waiting, [], aborted=True) == (False, None)
     assert len(calls) == 2 and sched.build_connector_meta().reqs_to_recv["gives-up"].local_block_ids == []
+    # but a prefill request's params are parsed: malformed ones are refused before the hand-off
+    with pytest.raises(InvalidArgument, match="malformed"):
+        sched.get_num_new_matched_tokens(EngineRequest("p", 12, {"do_remote_decode": True, "tp_size": "many"}), 0)
 
 
 @pytest.mark.parametrize("change", [
