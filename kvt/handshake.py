@@ -9,21 +9,28 @@ it beyond the host is a decision the operator makes in configuration.
 
 With a ``secret`` (configuration ``auth_key``) both ends speak kvt.auth's
 challenge-response and seal every message; without one nothing changes.
+Beneath that, a keyed server admits only connections that complete ZMQ's
+CURVE handshake with keys derived from the secret (``curve_client``): ZMQ
+holds a multipart message whole until its last frame, with no bound on the
+frame count, so a peer without the key must not get to send frames at all.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import zmq
+import zmq.utils.z85
+from zmq.utils.monitor import recv_monitor_message
 
 from .auth import ClientSession, Secret, ServerAuth
-from .errors import (AuthenticationError, HandshakeError, HandshakeTimeout, InvalidArgument, KvtError, ServerBusy,
-                     WireError)
+from .errors import (AuthenticationError, ConfigError, HandshakeError, HandshakeTimeout, InvalidArgument, KvtError,
+                     ServerBusy, WireError)
 
-__all__ = ["RouterServer", "HandshakeServer", "request", "open_session"]
+__all__ = ["RouterServer", "HandshakeServer", "request", "connect", "curve_client"]
 
 log = logging.getLogger(__name__)
 _POLL_MS = 100  # how often the server thread checks for close()
@@ -36,6 +43,27 @@ MAX_FRAMES = 8
 #: all peers; a reply that would pass it is replaced by the channel's typed refusal (``ServerBusy``)
 MAX_UNSENT_REPLY_BYTES = 256 << 20
 _ENVELOPE = 4096  # what a message may hold beyond ``max_msg_bytes`` in all: identity, delimiter, auth frame
+#: a connection that has not finished ZMQ's handshake (greeting, CURVE) by then is dropped
+HANDSHAKE_IVL_MS = 5000
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def _curve_pair(secret: Secret, role: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CURVE keys of ``role``, derived from the shared key.
+    The server's public key is never sent, so only key holders can open the
+    handshake (its HELLO is a box to that key)."""
+    if not zmq.has("curve"):
+        raise ConfigError(f"auth_key needs ZMQ with CURVE, and this libzmq ({zmq.zmq_version()}) has none: "
+                          "install pyzmq's wheel (it bundles libsodium) or a libzmq built with it")
+    sk = zmq.utils.z85.encode(secret.sign(b"zmq-curve-" + role, b""))
+    return zmq.curve_public(sk), sk
+
+
+def curve_client(sock: zmq.Socket, secret: Secret) -> None:
+    """Set, before ``connect``, the CURVE keys a keyed ``RouterServer`` admits."""
+    sock.curve_serverkey = _curve_pair(secret, b"server")[0]
+    sock.curve_publickey, sock.curve_secretkey = _curve_pair(secret, b"client")
 
 
 def _nbytes(frame) -> int:
@@ -85,6 +113,10 @@ class RouterServer:
         # replies, is throttled by TCP back-pressure (or loses replies) instead of filling our memory
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
         self._sock.setsockopt(zmq.SNDHWM, _HWM)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        if secret is not None:  # no frame of a peer without the key gets into ZMQ's queues (module doc)
+            self._sock.curve_server = True
+            self._sock.curve_secretkey = _curve_pair(secret, b"server")[1]
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
@@ -235,36 +267,103 @@ class HandshakeServer(RouterServer):
                          refuse=lambda frames, e: [b"", refuse(e)], secret=secret)
 
 
+def connect(kind: int, endpoint: str, secret: Secret | None, timeout: float, who: str, *,
+            max_msg_bytes: int = MAX_HANDSHAKE_BYTES, covered: int | None = None,
+            settle: bool = True) -> tuple[zmq.Socket, ClientSession | None]:
+    """A ZMQ socket of ``kind`` connected to the ``RouterServer`` at
+    ``endpoint`` once ZMQ's handshake is done, and with ``secret`` the kvt.auth
+    session opened on it (its messages go through that session).  Without a
+    secret and with ``settle=False`` it returns at once, connecting in the
+    background as ZMQ does (a peer that is not up yet gets what we send later).
+
+    ``AuthenticationError`` at once if the server drops ZMQ's handshake (it
+    has another key, or we have one and it none, or the other way round) or
+    cannot prove the key; ``HandshakeTimeout`` if no handshake completes
+    within ``timeout`` seconds (including a peer that is not there at all);
+    ``HandshakeError`` for a bad endpoint."""
+    if timeout <= 0:
+        raise InvalidArgument(f"handshake timeout must be > 0 seconds, got {timeout}")
+    deadline = time.monotonic() + timeout
+    sock = zmq.Context.instance().socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        if secret is not None:
+            curve_client(sock, secret)
+        if secret is None and not settle:
+            _connect(sock, endpoint, who)
+            return sock, None
+        _handshake(sock, endpoint, deadline, secret is not None, who)
+        session = None
+        if secret is not None:
+            session = ClientSession(secret, covered)
+            sock.send(session.hello())
+            if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                raise HandshakeTimeout(f"{who} did not answer the authentication challenge within {timeout:g}s")
+            session.accept(sock.recv_multipart(), who)
+        return sock, session
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _connect(sock: zmq.Socket, endpoint: str, who: str) -> None:
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        raise HandshakeError(f"cannot connect to {who}: {e}") from e
+
+
+def _handshake(sock: zmq.Socket, endpoint: str, deadline: float, keyed: bool, who: str) -> None:
+    """Connect ``sock`` and wait for ZMQ's handshake, watched by a monitor
+    (the only place ZMQ tells a dropped handshake from a slow peer).  A
+    mechanism mismatch (a key on one side only) ends it at once; a keyed
+    handshake the server drops twice in a row (another key) too.  ZMQ
+    reconnects after anything else (a server going down meanwhile) until the
+    deadline."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
+    dropped = 0
+    try:
+        _connect(sock, endpoint, who)
+        while (left := deadline - time.monotonic()) > 0 and monitor.poll(max(1, int(left * 1000))):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return
+            dropped += event != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL or (keyed and dropped >= 2):
+                why = ("it has another auth_key, or none, or runs an older kvt" if keyed else "it has an auth_key")
+                raise AuthenticationError(f"{who} dropped the connection in ZMQ's handshake ({why}, or it is no "
+                                          "kvt server): set the same auth_key (or KVT_AUTH_KEY) on both sides")
+        raise HandshakeTimeout(f"no handshake with {who} within the timeout; is the peer running and "
+                               "listening there?")
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+
+
 def request(endpoint: str, payload: bytes, timeout: float, secret: Secret | None = None) -> bytes:
     """Send ``payload`` to a ``HandshakeServer`` and return its reply.
 
     With ``secret``, first the challenge-response of kvt.auth (both sides
     prove the key), then ``payload`` sealed; ``AuthenticationError`` if the
-    server cannot prove the key, refuses ours, or its reply fails its tag.
-    Raises ``HandshakeTimeout`` if no reply arrives within ``timeout`` seconds
-    (including a peer that is not there at all), ``HandshakeError`` for a bad
-    endpoint or transport failure.
+    server drops our connection (``connect``), cannot prove the key, refuses
+    ours, or its reply fails its tag.  Raises ``HandshakeTimeout`` if no
+    reply arrives within ``timeout`` seconds (including a peer that is not
+    there at all), ``HandshakeError`` for a bad endpoint or transport failure.
     """
-    if timeout <= 0:
-        raise InvalidArgument(f"handshake timeout must be > 0 seconds, got {timeout}")
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    ms = max(1, int(timeout * 1000))
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_HANDSHAKE_BYTES)
-    sock.setsockopt(zmq.SNDTIMEO, ms)
-    sock.setsockopt(zmq.RCVTIMEO, ms)
+    who, start = f"peer at {endpoint}", time.monotonic()
+    sock, session = connect(zmq.REQ, endpoint, secret, timeout, who)
+    ms = max(1, int((timeout - (time.monotonic() - start)) * 1000))  # what is left of it, for each way
     try:
-        sock.connect(endpoint)
-        if secret is None:
+        sock.setsockopt(zmq.SNDTIMEO, ms)
+        sock.setsockopt(zmq.RCVTIMEO, ms)
+        if session is None:
             sock.send(payload)
             return sock.recv()
-        session = ClientSession(secret)
-        sock.send(session.hello())
-        session.accept(sock.recv_multipart(), f"peer at {endpoint}")
         sock.send_multipart([payload, session.seal([payload])])
-        reply = session.open(sock.recv_multipart(), f"peer at {endpoint}")
+        reply = session.open(sock.recv_multipart(), who)
         if reply is None or len(reply) != 1:
-            raise AuthenticationError(f"peer at {endpoint} answered another message than ours")
+            raise AuthenticationError(f"{who} answered another message than ours")
         return reply[0]
     except zmq.Again as e:
         raise HandshakeTimeout(f"no handshake reply from {endpoint} within {timeout:g}s; is the peer "
@@ -273,16 +372,3 @@ def request(endpoint: str, payload: bytes, timeout: float, secret: Secret | None
         raise HandshakeError(f"handshake with {endpoint} failed: {e}") from e
     finally:
         sock.close()
-
-
-def open_session(sock: zmq.Socket, secret: Secret, timeout: float, who: str, covered: int | None = None) -> ClientSession:
-    """Run kvt.auth's challenge-response on a freshly connected DEALER
-    ``sock``; its later messages go through the returned session.
-    ``AuthenticationError`` if the server cannot prove the key (or has none),
-    ``HandshakeTimeout`` if it does not answer within ``timeout`` seconds."""
-    session = ClientSession(secret, covered)
-    sock.send(session.hello())
-    if not sock.poll(max(1, int(timeout * 1000))):
-        raise HandshakeTimeout(f"{who} did not answer the authentication challenge within {timeout:g}s")
-    session.accept(sock.recv_multipart(), who)
-    return session

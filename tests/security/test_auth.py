@@ -1,8 +1,10 @@
-"""Peer identity (issue 11 item 5): with ``auth_key`` set, a peer without it,
-with a wrong one, or replaying/forging messages gets a typed refusal and
-nothing else, on the handshake and on the host backend's data channel; with
-the key on both sides everything works (host same-host and forced TCP, nixl,
-ucx); the key never shows in logs, reprs or errors.
+"""Peer identity (issue 11 item 5): with ``auth_key`` set, a peer without it
+or with a wrong one is dropped in ZMQ's handshake (CURVE keyed from the
+secret) on the handshake and the host backend's data channel, and kvt's
+clients say so at once; a peer that gets past that layer (it holds the
+CURVE keys) but replays or forges kvt.auth messages gets a typed refusal and
+nothing else; with the key on both sides everything works (host same-host
+and forced TCP, nixl, ucx); the key never shows in logs, reprs or errors.
 
 The owner runs in its own process (tests/security/owner.py); attackers speak
 ZMQ directly over real sockets."""
@@ -22,7 +24,9 @@ from kvt import Agent
 from kvt.agent import fetch_info
 from kvt.auth import ClientSession, Secret
 from kvt.config import load_config
-from kvt.errors import AuthenticationError, HandshakeError, KvtError, RemoteRejected
+from kvt.errors import AuthenticationError, HandshakeError, KvtError, RemoteRejected, TransferTimeout
+from kvt.handshake import curve_client
+from zmq.utils.monitor import recv_monitor_message
 from kvt.wire import HandshakeReply, HandshakeRequest, decode, encode
 from kvt_host.protocol import HostMetadata, Reply, Request
 from owner import REGION, owner_process
@@ -40,12 +44,33 @@ def owner():
         yield o
 
 
-def dealer(endpoint: str) -> zmq.Socket:
+def dealer(endpoint: str, curve: str | None = KEY) -> zmq.Socket:
+    """A raw DEALER; with ``curve`` (a key), past ZMQ's CURVE handshake as a key holder's would be."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, RECV_MS)
+    if curve is not None:
+        curve_client(s, Secret(curve))
     s.connect(endpoint)
     return s
+
+
+def zmq_handshake(endpoint: str, curve: str | None) -> str:
+    """How ZMQ's handshake with ``endpoint`` ends for a raw DEALER (``curve``: as in ``dealer``)."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        curve_client(s, Secret(curve))
+    mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        s.connect(endpoint)
+        assert mon.poll(RECV_MS), "no end of ZMQ's handshake"
+        return "ok" if recv_monitor_message(mon)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED else "dropped"
+    finally:
+        s.disable_monitor()
+        mon.close()
+        s.close()
 
 
 def session(sock: zmq.Socket, key: str, covered=None, envelope=()) -> ClientSession:
@@ -99,9 +124,21 @@ def assert_unharmed(owner):
 # -- handshake -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("channel", ["handshake", "data"])
+def test_peers_without_the_key_are_dropped_in_zmqs_handshake(owner, channel):
+    """Nothing such a peer sends reaches the server: not even an unfinished
+    multipart message, which ZMQ would hold whole (tests/security/test_dos.py)."""
+    endpoint = owner.endpoint if channel == "handshake" else owner.data
+    assert zmq_handshake(endpoint, None) == "dropped"
+    assert zmq_handshake(endpoint, WRONG) == "dropped"
+    assert zmq_handshake(endpoint, KEY) == "ok"
+    assert_unharmed(owner)
+
+
 def test_handshake_without_key_gets_only_a_refusal(owner):
-    with pytest.raises(AuthenticationError, match="set the same auth_key"):
+    with pytest.raises(AuthenticationError, match="it has an auth_key"):  # at once, not after the timeout
         fetch_info(owner.endpoint, "attacker", 10)
+    # the kvt.auth layer beneath: a message without a session, on a connection past CURVE
     sock = dealer(owner.endpoint)  # raw, as a REQ client would: [b"", request]
     sock.send_multipart([b"", encode(HandshakeRequest(sender="attacker"))])
     got = sock.recv_multipart()
@@ -113,9 +150,10 @@ def test_handshake_without_key_gets_only_a_refusal(owner):
 
 
 def test_handshake_with_wrong_key_gets_only_a_refusal(owner):
-    with pytest.raises(AuthenticationError, match="could not prove"):  # an honest client stops at the proof
+    with pytest.raises(AuthenticationError, match="another auth_key"):  # dropped in ZMQ's handshake
         fetch_info(owner.endpoint, "attacker", 10, Secret(WRONG))
-    sock = dealer(owner.endpoint)  # an attacker sends its request anyway, sealed with its key
+    # past CURVE (as if it held those keys), an attacker sends its request anyway, sealed with its key
+    sock = dealer(owner.endpoint)
     s = forged_session(sock, WRONG, envelope=[b""])
     body = encode(HandshakeRequest(sender="attacker"))
     sock.send_multipart([b"", body, s.seal([body])])
@@ -252,13 +290,14 @@ def test_host_agents_with_key_work_with_owner_process(owner, transport):
 
 
 def test_host_agent_without_key_is_refused_on_data_path(owner):
-    """Metadata obtained some other way (e.g. kv_transfer_params) is no way in: the forced-TCP data path refuses."""
-    with agent("host", None, transport="tcp", timeout=10) as a:
+    """Metadata obtained some other way (e.g. kv_transfer_params) is no way in: the owner's data server drops
+    the keyless connection in ZMQ's handshake, so the READ gets no answer."""
+    with agent("host", None, transport="tcp", timeout=2) as a:
         a.register_blocks("kv", [np.zeros((64, REGION // 64), np.uint8)])
         with agent("host", KEY) as friend:  # someone with the key fetched the metadata...
             info = fetch_info(owner.endpoint, "friend", 10, friend.secret)
         peer = a.add_peer(info)
-        with pytest.raises(RemoteRejected, match="AuthenticationError"):
+        with pytest.raises(TransferTimeout, match="auth_key"):
             a.read_blocks(peer, [0], [0]).wait(timeout=20)
     assert_unharmed(owner)
 
@@ -305,7 +344,7 @@ def test_key_never_shown(owner, caplog, tmp_path):
                 try:
                     who.connect(owner.endpoint if who is c else c.listen())
                 except HandshakeError as e:
-                    shown.append(str(e))
+                    shown.append(f"{type(e).__name__}: {e}")
         out = subprocess.run([sys.executable, "-m", "kvt.cli", "backends"], capture_output=True, text=True,
                              env={**os.environ, "KVT_AUTH_KEY": KEY}, timeout=120)
         shown += [out.stdout, out.stderr]

@@ -39,7 +39,7 @@ from kvt.procs import host_id, start_time
 from kvt.errors import (AuthenticationError, ClosedError, ConfigError, HandshakeError, HandshakeTimeout,
                         InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError,
                         TransferTimeout, WireError)
-from kvt.handshake import open_session
+from kvt.handshake import connect
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState, as_index)
 from kvt.wire import decode, encode
@@ -307,17 +307,15 @@ class _Peer:
 
     def socket(self) -> zmq.Socket:
         if self._sock is None:  # created and used only on this peer's worker thread
-            self._sock = zmq.Context.instance().socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a reply holds at most one request's data
-            self._sock.connect(self.md.endpoint)
-            if self.secret is not None:  # both sides prove the key before any request goes out
-                try:
-                    self.session = open_session(self._sock, self.secret, self.timeout, f"peer {self.name!r}", 1)
-                except (AuthenticationError, HandshakeTimeout) as e:
-                    self.drop_socket()
-                    cls = RemoteRejected if isinstance(e, AuthenticationError) else TransferTimeout
-                    raise cls(f"{e}") from e
+            try:  # with a secret, both sides prove the key before any request goes out
+                # (a reply holds at most one request's data)
+                self._sock, self.session = connect(zmq.DEALER, self.md.endpoint, self.secret, self.timeout,
+                                                   f"peer {self.name!r}", max_msg_bytes=MAX_MESSAGE_BYTES, covered=1,
+                                                   settle=False)
+            except HandshakeError as e:
+                cls = (RemoteRejected if isinstance(e, AuthenticationError) else
+                       TransferTimeout if isinstance(e, HandshakeTimeout) else TransferError)
+                raise cls(f"{e}") from e
         return self._sock
 
     def seal(self, frames: list) -> list:
@@ -903,7 +901,8 @@ class HostBackend(Backend):
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeout(f"peer {peer.name!r} did not answer {req.op} within {self.timeout:g}s")
+                hint = "" if peer.secret else " (an agent with an auth_key drops connections without it)"
+                raise TransferTimeout(f"peer {peer.name!r} did not answer {req.op} within {self.timeout:g}s{hint}")
             if sock.poll(int(min(left, _POLL) * 1000) + 1):
                 frames = peer.open(sock.recv_multipart(copy=False))
                 if frames is None:
