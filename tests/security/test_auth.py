@@ -20,13 +20,13 @@ import time
 import numpy as np
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 from kvt import Agent
 from kvt.agent import fetch_info
 from kvt.auth import ClientSession, Secret
 from kvt.config import load_config
 from kvt.errors import AuthenticationError, HandshakeError, KvtError, RemoteRejected, TransferTimeout
 from kvt.handshake import curve_client
-from zmq.utils.monitor import recv_monitor_message
 from kvt.wire import HandshakeReply, HandshakeRequest, decode, encode
 from kvt_host.protocol import HostMetadata, Reply, Request
 from owner import REGION, owner_process
