@@ -229,7 +229,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release everything (threads, sockets, registrations).  Idempotent."""
+        """Release everything (threads, sockets, registrations).  Idempotent.
+        As ``deregister`` for every registration: with ``owner_check="server"``
+        it returns only once no peer's request touches our memory."""
 
     def __enter__(self):
         return self

@@ -290,10 +290,17 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return offs
 
 
-def gather(rows: np.ndarray) -> np.ndarray:
-    """Copy the ``(addr, len)`` rows into one new contiguous buffer."""
+def gather(rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Copy the ``(addr, len)`` rows into one contiguous buffer: a new one,
+    or the start of ``out`` (uint8, large enough); returns the bytes filled."""
     lengths = rows[:, 1]
-    out = np.empty(int(lengths.sum()), np.uint8)
+    n = int(lengths.sum())
+    if out is None:
+        out = np.empty(n, np.uint8)
+    elif out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or out.nbytes < n:
+        raise BufferError(f"gather: out must be contiguous uint8 of at least {n} bytes")
+    else:
+        out = out[:n]
     copy(np.uint64(out.ctypes.data) + _offsets(lengths), rows[:, 0], lengths)
     return out
 

@@ -210,3 +210,65 @@ def test_concurrent_release_of_one_transfer_is_quiet():
             assert x.handle not in a.backend._xfers
             with pytest.raises(InvalidHandle):
                 x.state()
+
+
+def test_close_returns_after_a_peer_write_still_landing(monkeypatch):
+    """A peer's stream WRITE passed its check and its bytes are being
+    copied in when the owner closes: close returns only once that copy
+    ended, since the caller may free the memory next (it returned at once and
+    the copy ran on into memory already freed: SIGSEGV)."""
+    import kvt_host.stream as stream
+
+    copying, landed, real = threading.Event(), threading.Event(), stream.scatter
+
+    def slow_scatter(rows, buf):  # the owner's stream thread, mid-copy, when close() is called
+        copying.set()
+        time.sleep(0.5)
+        real(rows, buf)
+        landed.set()
+
+    monkeypatch.setattr(stream, "scatter", slow_scatter)
+    owner = HostBackend("owner", {"timeout": 10})
+    writer = HostBackend("writer", {"timeout": 10, "transport": "tcp"})
+    try:
+        dst, src = np.zeros(64 * 4096, np.uint8), np.full(64 * 4096, 7, np.uint8)
+        owner.register(Descs.from_buffers([dst]))
+        writer.register(Descs.from_buffers([src]))
+        blocks = np.arange(64, dtype=np.uint64) * 4096
+        rp = writer.prep(writer.add_remote(owner.local_metadata()), Descs.from_regions(dst.ctypes.data + blocks, [4096] * 64))
+        lp = writer.prep(None, Descs.from_regions(src.ctypes.data + blocks, [4096] * 64))
+        writer.transfer(Op.WRITE, lp, np.arange(64), rp, np.arange(64))
+        assert copying.wait(20)
+        owner.close()
+        assert landed.is_set(), "close returned while a peer's WRITE was still copying into its memory"
+    finally:
+        writer.close()
+        owner.close()
+
+
+def test_mirror_translation_is_consistent_while_another_region_is_deregistered(monkeypatch):
+    """A server thread translating a peer's rows in device region B while the
+    owner deregisters region A, registered before B (which renumbers B): the
+    address is B's mirror.  The table used to be published field by field,
+    so a translation mixed the new region numbers with the old mirror
+    addresses (another region's freed mirror: a wild write)."""
+    torch = pytest.importorskip("torch")
+    from kvt_host.staging import Mirrors
+
+    a, b = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(1 << 16, dtype=torch.uint8)
+    mirrors = Mirrors()
+    mirrors.add(1, Descs.from_buffers([a]))
+    mirrors.add(2, Descs.from_buffers([b]))
+    rows = np.array([[b.data_ptr() + 100, 8, 0]], np.uint64)
+    expect = mirrors.translate(rows)
+    locate = Descs.locate
+
+    def locate_then_deregister(self, regions):  # the owner's deregister lands between the lookups
+        monkeypatch.setattr(Descs, "locate", locate)
+        out = locate(self, regions)
+        mirrors.remove(1)
+        return out
+
+    monkeypatch.setattr(Descs, "locate", locate_then_deregister)
+    assert mirrors.translate(rows).tolist() == expect.tolist()
+    assert mirrors.translate(rows).tolist() == expect.tolist()  # and after it

@@ -115,6 +115,11 @@ def test_gather_then_scatter_round_trips():
     assert np.array_equal(out[5000:8000], src[5000:8000]) and np.array_equal(out[:7], src[:7])
     with pytest.raises(BufferError):
         memcopy.scatter(rows, packed[:-1])
+    buf = np.full(4000, 0xEE, np.uint8)  # a caller's staging buffer: filled from its start, the rest untouched
+    assert np.array_equal(memcopy.gather(rows, buf), packed) and (buf[len(packed):] == 0xEE).all()
+    for bad in (np.zeros(len(packed) - 1, np.uint8), np.zeros(4000, np.uint16), np.zeros((2, 4000), np.uint8)):
+        with pytest.raises(BufferError):
+            memcopy.gather(rows, bad)
 
 
 # -- copy_indexed: a whole same-host request in one call -----------------------

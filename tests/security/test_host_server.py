@@ -191,3 +191,34 @@ def test_decode_raises_only_wire_errors():
     for blob in (deep, bad_utf8, b"\x81\xa1v\xcf" + b"\xff" * 8, b"\x82\xa1v\x01\xa1t\xc4\x02ab"):
         with pytest.raises(WireError):
             decode(blob, HandshakeReply)
+
+
+def _dealer(endpoint: str, recv_ms: int = RECV_MS) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, recv_ms)
+    s.connect(endpoint)
+    return s
+
+
+def test_requests_over_many_devices_are_refused_at_once_and_others_are_served(owner, sock):
+    """Requests of 65,536 rows on as many devices (none registered), from 8
+    connections: each took the owner's server 2.4 s (a pass over the rows per
+    device), and ZMQ serves connections in turn, so an honest request behind
+    one round of them timed out."""
+    n = 65_536
+    r = np.zeros((n, 3), np.uint64)
+    r[:, 0], r[:, 1], r[:, 2] = owner.base, 1, np.arange(n, dtype=np.uint64)
+    hostile = [_dealer(owner.data) for _ in range(8)]
+    honest = _dealer(owner.data, 5000)  # the owner's timeout is 10 s
+    try:
+        for s in hostile:
+            s.send_multipart([req("READ", r.tobytes())])
+        rep, data = ask(honest, req("READ", rows((owner.base + 4096, 4096, 0))))
+        assert not rep.error and data[0] == (np.arange(REGION) * 7 % 251).astype(np.uint8)[4096:8192].tobytes()
+        for s in hostile:
+            assert decode(s.recv_multipart()[0], Reply).code == "out_of_region"
+    finally:
+        for s in (*hostile, honest):
+            s.close()
+    assert_unharmed(owner, sock)

@@ -193,6 +193,36 @@ def test_no_byte_of_a_stalled_write_lands_after_the_owner_deregistered(own_owner
     assert owner.ask("check")[0]  # guards intact
 
 
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_read_replies_to_peers_that_stop_reading_hold_a_piece_each(owner, sock):
+    """16 streams each ask a 32 MiB READ (65,536 rows of 512 B over the
+    same registered bytes: 1.5 MiB of request) and never read the reply: the
+    owner stages a reply a piece at a time, so a stream holds about its
+    request, not the reply (each held 32 MiB, 2.3 GB over 64 streams)."""
+    n = 65_536
+    r = np.zeros((n, 3), np.uint64)
+    r[:, 0] = owner.base + np.arange(n, dtype=np.uint64) % 512 * 512
+    r[:, 1] = 512
+    ask_all = HEAD.pack(b"kvtS", READ, 0, 0, n) + r.tobytes()
+    before, streams = _rss(owner.proc.pid), []
+    try:
+        for _ in range(16):
+            streams.append(_stream(owner, sock))
+            streams[-1].sendall(ask_all)
+        time.sleep(2)  # every stream's reply staged as far as it goes
+        grown = _rss(owner.proc.pid) - before
+    finally:
+        for s in streams:
+            s.close()
+    assert grown < 160 << 20, f"{grown >> 20} MiB held for 16 streams that do not read"
+    _assert_stream_serves(owner, sock)
+    assert_unharmed(owner, sock)
+
+
 def test_a_token_trickled_in_is_hung_up_after_the_hello_timeout(owner, sock):
     host, port, token = _token(owner, sock)
     t0 = time.monotonic()

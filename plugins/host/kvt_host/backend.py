@@ -810,7 +810,7 @@ class HostBackend(Backend):
         if kind is MemKind.DRAM:
             return rows[:, :2]
         out = rows[:, :2].copy()
-        out[:, 0] = self._mirrors.translate(rows)[0]
+        out[:, 0] = self._mirrors.translate(rows)
         return out
 
     def _move_same_host(self, job: _Job, peer: _Peer, local: np.ndarray) -> bool:
@@ -963,9 +963,17 @@ class HostBackend(Backend):
         self._local.pool.shutdown(wait=True)
         _LIVE.pop(self._server.endpoint, None)
         self._server.close()
+        # as deregister does, for everything: peers' copies from or into our memory end before we
+        # return (the caller frees it next); the server's threads outlive its sockets by a copy
+        self._epoch.bump()
+        drained = self._epoch.drain(self.timeout)
+        drained = self._server.inflight.close(self.timeout) and drained
         self._epoch.close()
         self._peers.clear()
         self._xfers.clear()
         self._preps.clear()
         self._regions.clear()
         self._mirrors = Mirrors()
+        if not drained:
+            raise KvtTimeoutError(f"a peer's request still used this agent's memory {self.timeout:g}s after "
+                                  "close; do not free it yet (this should not happen: report it)")

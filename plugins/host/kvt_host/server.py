@@ -74,11 +74,14 @@ class InFlight:
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._uses: set[_Use] = set()
+        self._closed = False
 
     @contextmanager
     def use(self, sock: socket.socket | None = None):
         u = _Use(sock)
         with self._cv:
+            if self._closed:  # the agent is closing: its memory may be freed as soon as close returns
+                raise ConnectionError("the agent is closing")
             self._uses.add(u)
         try:
             yield u
@@ -87,11 +90,12 @@ class InFlight:
                 self._uses.discard(u)
                 self._cv.notify_all()
 
-    def drain(self, region: Descs, timeout: float) -> bool:
-        """False if requests still touched ``region`` after ``timeout`` seconds."""
+    def drain(self, region: Descs | None, timeout: float) -> bool:
+        """False if requests still touched ``region`` (``None``: any memory)
+        after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while busy := [u for u in self._uses if u.touches(region)]:
+            while busy := [u for u in self._uses if region is None or u.touches(region)]:
                 for u in busy:
                     u.cut()
                 left = deadline - time.monotonic()
@@ -99,6 +103,13 @@ class InFlight:
                     return False
                 self._cv.wait(left)
         return True
+
+    def close(self, timeout: float) -> bool:
+        """Admit no more requests and ``drain`` every one under way (the
+        agent's ``close``: its caller may then free all it registered)."""
+        with self._cv:
+            self._closed = True
+        return self.drain(None, timeout)
 
 
 class Server(RouterServer):
@@ -164,7 +175,7 @@ class Server(RouterServer):
         if kind is MemKind.DRAM:
             return rows[:, :2], _nothing
         local = rows[:, :2].copy()
-        local[:, 0] = self._b._mirrors.translate(rows)[0]
+        local[:, 0] = self._b._mirrors.translate(rows)
         if op == "READ":
             self._b._mirrors.to_host(rows)
         return local, lambda: self._b._mirrors.to_device(rows)

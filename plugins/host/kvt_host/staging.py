@@ -10,6 +10,8 @@ anything else moves run by run.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from kvt.errors import InvalidArgument
@@ -18,15 +20,30 @@ from kvt.types import Descs
 from kvt.memcopy import coalesce
 
 
+class _Table(NamedTuple):
+    """One consistent view of the mirrors, published in one assignment."""
+
+    rows: Descs              # the device regions
+    flat: list               # each one's device bytes (torch uint8)
+    mirror: list             # and its host mirror
+    mirror_base: np.ndarray  # the mirrors' addresses
+
+
+_EMPTY = _Table(Descs.empty(), [], [], np.zeros(0, np.uint64))
+
+
 class Mirrors:
-    """Mirrors of every registered device region, keyed by registration."""
+    """Mirrors of every registered device region, keyed by registration.
+
+    Server threads translate peers' rows while the owner registers and
+    deregisters: each call reads ``_table`` once, so it never mixes one
+    table's region indices with another's addresses (a deregistration
+    renumbers the regions after the removed one), and the tensors it uses
+    stay alive through its reference."""
 
     def __init__(self):
         self._by_handle: dict[int, list[tuple[object, object]]] = {}  # handle -> [(device flat, mirror)]
-        self._rows = Descs.empty()                                      # device regions
-        self._flat: list[object] = []
-        self._mirror: list[object] = []
-        self._mirror_base = np.zeros(0, np.uint64)
+        self._table = _EMPTY
 
     def add(self, handle: int, descs: Descs) -> None:
         import torch
@@ -48,20 +65,22 @@ class Mirrors:
 
     def _rebuild(self) -> None:
         pairs = [p for ps in self._by_handle.values() for p in ps]
-        self._flat = [f for f, _ in pairs]
-        self._mirror = [m for _, m in pairs]
-        self._rows = Descs(np.array([(f.data_ptr(), f.numel(), f.device.index or 0) for f, _ in pairs],
-                                    np.uint64).reshape(-1, 3))
-        self._mirror_base = np.array([m.data_ptr() for m in self._mirror], np.uint64)
+        rows = np.array([(f.data_ptr(), f.numel(), f.device.index or 0) for f, _ in pairs], np.uint64)
+        self._table = _Table(Descs(rows.reshape(-1, 3)), [f for f, _ in pairs], [m for _, m in pairs],
+                             np.array([m.data_ptr() for _, m in pairs], np.uint64))
 
-    def translate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Mirror addresses of device ``rows`` ``(k, 3)``, plus each row's
-        region index and offset inside it."""
-        where = Descs(rows).locate(self._rows)
+    @staticmethod
+    def _where(table: _Table, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        where = Descs(rows).locate(table.rows)
         if (where < 0).any():
             raise InvalidArgument("device rows outside the staged regions")
-        offs = rows[:, 0] - self._rows.addrs[where]
-        return self._mirror_base[where] + offs, where, offs
+        return where, rows[:, 0] - table.rows.addrs[where]
+
+    def translate(self, rows: np.ndarray) -> np.ndarray:
+        """Mirror addresses of device ``rows`` ``(k, 3)``."""
+        table = self._table
+        where, offs = self._where(table, rows)
+        return table.mirror_base[where] + offs
 
     def to_host(self, rows: np.ndarray) -> None:
         """device -> mirror for ``rows`` (before they are read)."""
@@ -76,11 +95,12 @@ class Mirrors:
 
         if not len(rows):
             return
-        _, where, offs = self.translate(rows)
+        table = self._table
+        where, offs = self._where(table, rows)
         for r in np.unique(where).tolist():
             sel = where == r
             o, n = offs[sel], rows[sel, 1]
-            dev, mir = self._flat[r], self._mirror[r]
+            dev, mir = table.flat[r], table.mirror[r]
             src, dst = (dev, mir) if to_host else (mir, dev)
             L = int(n[0])
             if L and (n == L).all() and not (o % L).any() and dev.numel() % L == 0:
@@ -92,4 +112,4 @@ class Mirrors:
                 dst[a:a + k].copy_(src[a:a + k])
 
     def __len__(self) -> int:
-        return len(self._flat)
+        return len(self._table.flat)

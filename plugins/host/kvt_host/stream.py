@@ -69,7 +69,8 @@ _MAX_CONNECTIONS = 64       # stream connections an owner serves at once
 _MAX_HELLOS = 64            # connections presenting their token at once (not yet counted above)
 _HELLO_TIMEOUT = 5.0        # seconds a new connection has, in all, to present its token
 _AHEAD = 2                  # requests an initiator sends before reading the first one's answer
-_DIRECT = 256 << 10         # rows at least this long (on average) move straight from/to memory
+_DIRECT = 256 << 10         # rows at least this long move straight from/to memory
+_PIECE = 1 << 20            # shorter ones are staged (gathered or scattered) this many bytes at a time
 
 
 
@@ -115,28 +116,50 @@ def _send_all(sock: socket.socket, data, deadline: float | None) -> None:
     sock.sendall(data)
 
 
+def _runs(rows: np.ndarray) -> list[tuple[bool, np.ndarray]]:
+    """``rows`` in order as ``(direct, rows)`` runs: each row of at least
+    ``_DIRECT`` bytes alone (moved straight from or into memory), the short
+    ones between them in runs of under ``_PIECE + _DIRECT`` bytes (staged).
+    Staging a piece at a time bounds what a request holds: an owner's READ
+    reply to a peer that stops reading pins one piece, not the request's
+    32 MiB (times 64 streams)."""
+    if not len(rows):
+        return []
+    lens = rows[:, 1]
+    big = lens >= _DIRECT
+    small = np.where(big, 0, lens)
+    key = np.where(big, -1, ((np.cumsum(small) - small) // _PIECE).astype(np.int64))
+    cuts = np.flatnonzero((key[1:] != key[:-1]) | big[1:] | big[:-1]) + 1
+    return [(bool(big[i]), rows[i:j]) for i, j in zip([0, *cuts.tolist()], [*cuts.tolist(), len(rows)])]
+
+
+def _staging(runs: list[tuple[bool, np.ndarray]]) -> np.ndarray | None:
+    most = max((int(r[:, 1].sum()) for d, r in runs if not d), default=0)
+    return np.empty(most, np.uint8) if most else None
+
+
 def send_rows(sock: socket.socket, rows: np.ndarray, deadline: float | None = None) -> None:
     """The bytes of ``(k, 2)`` (address, length) rows, in order."""
-    if not len(rows):
-        return
-    if int(rows[:, 1].sum()) >= _DIRECT * len(rows):
-        for addr, n in rows.tolist():
-            _send_all(sock, _view(addr, n), deadline)
-    else:
-        _send_all(sock, gather(rows), deadline)
+    runs = _runs(rows)
+    buf = _staging(runs)
+    for direct, run in runs:
+        if direct:
+            _send_all(sock, _view(int(run[0, 0]), int(run[0, 1])), deadline)
+        else:
+            _send_all(sock, gather(run, buf), deadline)
 
 
 def recv_rows(sock: socket.socket, rows: np.ndarray, deadline: float | None = None) -> None:
     """Fill ``(k, 2)`` (address, length) rows from the stream, in order."""
-    if not len(rows):
-        return
-    if int(rows[:, 1].sum()) >= _DIRECT * len(rows):
-        for addr, n in rows.tolist():
-            _recv_exact(sock, _view(addr, n), deadline)
-    else:
-        buf = np.empty(int(rows[:, 1].sum()), np.uint8)
-        _recv_exact(sock, memoryview(buf), deadline)
-        scatter(rows, buf)
+    runs = _runs(rows)
+    buf = _staging(runs)
+    for direct, run in runs:
+        if direct:
+            _recv_exact(sock, _view(int(run[0, 0]), int(run[0, 1])), deadline)
+        else:
+            piece = buf[:int(run[:, 1].sum())]
+            _recv_exact(sock, memoryview(piece), deadline)
+            scatter(run, piece)
 
 
 def _discard(sock: socket.socket, n: int, deadline: float) -> None:
