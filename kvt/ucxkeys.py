@@ -8,13 +8,40 @@ tables and segfault (a NIXL blob carrying one crashed ``add_remote_agent``).
 These are envelope checks for the layouts of the UCX release kvt ships with
 (>= 1.20); they refuse what UCX would misread and say nothing about whether
 UCX can reach the peer.
+
+Also where UCX listens: over its ``tcp`` transport UCX serves RMA in
+software, in the target process, at whatever address the request names; no
+remote key is checked.  Anyone who reaches that port (no metadata or key
+needed) can read, write or crash the whole process.  So both plugins keep
+UCX's network devices on loopback unless the operator names interfaces
+(``UCX_NET_DEVICES``), as kvt's own listener stays on loopback unless
+``listen_host`` says otherwise (docs/security.md).
 """
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Mapping
 
-__all__ = ["same_address_format", "is_host_rkey"]
+__all__ = ["same_address_format", "is_host_rkey", "loopback_default", "cross_host_refused"]
+
+LOOPBACK = "lo"
+
+
+def loopback_default(settings: Mapping[str, str], key: str) -> bool:
+    """Whether UCX's network devices are left to kvt (neither ``settings``
+    nor the environment set ``UCX_NET_DEVICES``, spelled ``key`` in
+    ``settings``): the caller then sets ``key`` to loopback."""
+    return key not in settings and "UCX_NET_DEVICES" not in os.environ
+
+
+def cross_host_refused(peer: str, option: str) -> str:
+    """Why a peer on another host cannot be paired while UCX is on loopback only."""
+    return (f"peer {peer!r} runs on another host, and UCX here is on loopback only (kvt's default: UCX's tcp "
+            f"transport serves any address of this process to whoever reaches it, docs/security.md); name the "
+            f"interfaces peers reach on both sides, on a network only they reach, e.g. {option} or "
+            f"UCX_NET_DEVICES=eth0")
 
 _HOST = 0              # UCS_MEMORY_TYPE_HOST
 _NO_SYS_DEVICE = 0xFF  # UCS_SYS_DEVICE_ID_UNKNOWN: host memory has no distances packed after it

@@ -35,11 +35,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from kvt.backend import Backend, PeerTable, RegionTable, unknown_peer
 from kvt.epoch import Epoch, EpochWatch
-from kvt.errors import (BackendUnavailable, ClosedError, IncompatiblePeer, InvalidArgument, InvalidDescriptor,
-                        InvalidHandle, PeerDisconnected, RemoteRejected, TransferError, TransferTimeout, UnknownPeer,
-                        WireError)
+from kvt.errors import (BackendUnavailable, ClosedError, ConfigError, IncompatiblePeer, InvalidArgument,
+                        InvalidDescriptor, InvalidHandle, PeerDisconnected, RemoteRejected, TransferError,
+                        TransferTimeout, UnknownPeer, WireError)
+from kvt.procs import host_id
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState, as_index)
+from kvt.ucxkeys import LOOPBACK, cross_host_refused, loopback_default
 
 from . import native, vet
 from .metadata import epoch_watch, pack, unpack
@@ -231,6 +233,8 @@ class NixlBackend(Backend):
         md, regions = unpack(metadata, self._own_blob)
         if md.name == self.agent_name:
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
+        if md.host_id != host_id() and self._settings["env"].get("UCX_NET_DEVICES") == LOOPBACK:
+            raise ConfigError(cross_host_refused(md.name, 'ucx_env = {UCX_NET_DEVICES = "eth0"}'))
         if self._blobs.get(md.name) != md.nixl:  # a blob we loaded before was vetted then
             vet.vet(self._settings, md.nixl, md.name)
         with self._lock:
@@ -674,6 +678,8 @@ def _ucx_env(given: Mapping[str, Any]) -> dict[str, str]:
     hooks also track device allocations, so they stay."""
     env = {} if native.cuda_present() else {"UCX_MEM_EVENTS": "no"}
     env.update({k: str(v) for k, v in given.items()})
+    if loopback_default(env, "UCX_NET_DEVICES"):  # UCX's tcp serves any address: kvt.ucxkeys
+        env["UCX_NET_DEVICES"] = LOOPBACK
     return env
 
 

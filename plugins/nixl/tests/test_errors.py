@@ -203,7 +203,9 @@ from kvt.wire import decode, encode
 from kvt_nixl.backend import NixlBackend
 from kvt_nixl.metadata import NixlMetadata, _blob, _records
 
-peer, victim = NixlBackend("forger", {"timeout": 2}), NixlBackend("victim", {"timeout": 2})
+# every interface, as when these blobs were found (on loopback alone some fail to connect before they crash)
+options = {"timeout": 2, "ucx_env": {"UCX_NET_DEVICES": "all"}}
+peer, victim = NixlBackend("forger", options), NixlBackend("victim", options)
 buf = np.zeros(1 << 16, np.uint8)
 peer.register(buf)
 md = decode(peer.local_metadata(), NixlMetadata)
@@ -222,7 +224,7 @@ else:
 for case, changes in cases.items():
     blob = _blob([(t, changes.get(i, v)) for i, (t, v) in enumerate(records)])
     try:
-        name = victim.add_remote(encode(NixlMetadata(name=md.name, nixl=blob, regions=md.regions)))
+        name = victim.add_remote(encode(NixlMetadata(name=md.name, nixl=blob, regions=md.regions, host_id=md.host_id)))
         victim.remove_remote(name)
         print("case", case, "loaded", flush=True)
     except KvtError as e:

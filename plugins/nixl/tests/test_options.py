@@ -69,7 +69,18 @@ def test_ucx_memory_hooks_off_on_cpu_hosts_unless_asked():
         assert "UCX_MEM_EVENTS" not in _ucx_env({})
     else:
         assert _ucx_env({})["UCX_MEM_EVENTS"] == "no"
-    assert _ucx_env({"UCX_MEM_EVENTS": "yes", "UCX_TLS": "tcp"}) == {"UCX_MEM_EVENTS": "yes", "UCX_TLS": "tcp"}
+    given = {"UCX_MEM_EVENTS": "yes", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+    assert _ucx_env(given) == given
+
+
+def test_ucx_on_loopback_unless_interfaces_are_named(monkeypatch):
+    """UCX's tcp transport serves any address of the process (docs/security.md)."""
+    from kvt_nixl.backend import _ucx_env
+
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    assert _ucx_env({})["UCX_NET_DEVICES"] == "lo"
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth0")  # the operator's, in the environment: UCX reads it
+    assert "UCX_NET_DEVICES" not in _ucx_env({})
 
 
 def test_tcp_only_still_moves_bytes(make_backend, peer, local_buf):

@@ -40,6 +40,7 @@ from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import (ConfigError, InvalidArgument, PeerDisconnected, RemoteRejected, TransferError,
                         TransferTimeout, WireError)
 from kvt.procs import host_id, start_time
+from kvt.ucxkeys import LOOPBACK, cross_host_refused, loopback_default
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle,
                        XferState)
 from kvt.wire import Message, decode, encode
@@ -186,6 +187,10 @@ class UcxBackend(Backend):
             raise ConfigError(f"ucx backend option 'split_bytes' must be an integer >= 0 (0: never split), "
                               f"got {split!r}")
         config = _ucx_config(o)
+        # UCX's tcp transport serves RMA in software at whatever address a peer names (no remote-key
+        # check): it listens on loopback only unless the operator names interfaces (docs/security.md)
+        if loopback_default(config, "NET_DEVICES"):
+            config["NET_DEVICES"] = LOOPBACK
         self._ucp, self._config, self._shm = native.load(), config, _shm_possible(config)
         try:
             self._worker = self._ucp.Worker(agent_name.encode(), config, _MAX_NOTIF, queue, 64 * _MAX_NOTIF, split)
@@ -266,6 +271,8 @@ class UcxBackend(Backend):
         except Exception as e:
             raise WireError(f"metadata of {md.name!r}: bad region rows: {e}") from None
         same_host = md.host == self._host
+        if not same_host and self._config.get("NET_DEVICES") == LOOPBACK:
+            raise ConfigError(cross_host_refused(md.name, 'ucx = {NET_DEVICES = "eth0"}'))
         peer_mode = self._mode == "peer" or (self._mode == "auto" and not (same_host and self._shm))
         if not ours:
             vet.vet(self._config, self._address, md.address, md.rkeys, peer_mode, md.name)
