@@ -53,7 +53,7 @@ def fetch_info(endpoint: str, sender: str, timeout: float, secret: Secret | None
     reply = decode(request(endpoint, encode(HandshakeRequest(sender=sender)), timeout, secret), HandshakeReply)
     if reply.error:
         cls = AuthenticationError if reply.error.startswith(_AUTH_REFUSAL) else HandshakeError
-        raise cls(f"peer at {endpoint} refused the handshake: {reply.error}")
+        raise cls(f"peer at {endpoint} refused the handshake: {reply.error[:_PEER_TEXT]}")
     try:
         return decode(reply.payload, AgentInfo)
     except WireError as e:
@@ -61,6 +61,7 @@ def fetch_info(endpoint: str, sender: str, timeout: float, secret: Secret | None
 
 
 _AUTH_REFUSAL = "AuthenticationError:"
+_PEER_TEXT = 512  # characters of a peer's error text we repeat (into errors and logs)
 _NOTIF_KEY = "kvt_auth"  # AgentInfo.extra: the incarnation nonce notifications to us are bound to
 
 
@@ -426,7 +427,9 @@ class Agent:
                     layout=rlayout, block_ids=rids[i:i + step].tobytes())),
                     self.config.handshake_timeout, self.secret), HandshakeReply)
                 if reply.error:
-                    raise HandshakeError(reply.error)
+                    raise HandshakeError(reply.error[:_PEER_TEXT])
+                if len(reply.payload) != mine_all[-1].nbytes:  # as many digests as ours, or unreadable
+                    raise WireError(f"{len(reply.payload)} bytes of digests where {mine_all[-1].nbytes} were due")
                 theirs_all.append(np.frombuffer(reply.payload, np.uint64))
         except KvtError as e:  # unverified counts as failed: integrity checks fail closed
             raise IntegrityError(f"{what} could not be verified: {type(e).__name__}: {e}") from e

@@ -17,7 +17,11 @@ frame count, so a peer without the key must not get to send frames at all.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import re
+import socket
 import threading
 import time
 from typing import Callable
@@ -45,6 +49,13 @@ MAX_UNSENT_REPLY_BYTES = 256 << 20
 _ENVELOPE = 4096  # what a message may hold beyond ``max_msg_bytes`` in all: identity, delimiter, auth frame
 #: a connection that has not finished ZMQ's handshake (greeting, CURVE) by then is dropped
 HANDSHAKE_IVL_MS = 5000
+_MAX_MS = 2**31 - 1  # ZMQ's waits take a C int of milliseconds (24.8 days)
+
+
+def _ms(seconds: float) -> int:
+    """A ZMQ wait of ``seconds``: at least 1 ms, at most what its int holds
+    (a longer timeout, which the config allows, raised OverflowError)."""
+    return max(1, min(int(seconds * 1000), _MAX_MS))
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -284,21 +295,21 @@ def connect(kind: int, endpoint: str, secret: Secret | None, timeout: float, who
     if timeout <= 0:
         raise InvalidArgument(f"handshake timeout must be > 0 seconds, got {timeout}")
     deadline = time.monotonic() + timeout
-    sock = zmq.Context.instance().socket(kind)
+    sock = _socket(kind, who)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
         if secret is not None:
             curve_client(sock, secret)
         if secret is None and not settle:
-            _connect(sock, endpoint, who)
+            _connect(sock, endpoint, who, deadline)
             return sock, None
         _handshake(sock, endpoint, deadline, secret is not None, who)
         session = None
         if secret is not None:
             session = ClientSession(secret, covered)
             sock.send(session.hello())
-            if not sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            if not sock.poll(_ms(deadline - time.monotonic())):
                 raise HandshakeTimeout(f"{who} did not answer the authentication challenge within {timeout:g}s")
             session.accept(sock.recv_multipart(), who)
         return sock, session
@@ -307,7 +318,77 @@ def connect(kind: int, endpoint: str, secret: Secret | None, timeout: float, who
         raise
 
 
-def _connect(sock: zmq.Socket, endpoint: str, who: str) -> None:
+def _socket(kind: int, who: str) -> zmq.Socket:
+    try:
+        return zmq.Context.instance().socket(kind)
+    except zmq.ZMQError as e:  # e.g. EMFILE: peers can hold many of our fds
+        raise HandshakeError(f"cannot open a socket to {who}: {e} (at the open-file limit? raise `ulimit -n`)") from e
+
+
+_TCP = re.compile(r"tcp://(?P<host>[^\[\]]+):(?P<port>[0-9]{1,5})")
+
+
+class _Lookups:
+    """Name lookups, each on a thread of its own so that a caller leaves at
+    its deadline; at most ``LIMIT`` at once, so slow names cannot pile up
+    threads.  A forked child starts with none (their threads did not fork)."""
+
+    LIMIT = 32
+
+    def __init__(self) -> None:
+        self._lock, self._busy = threading.Lock(), 0
+
+    def _done(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
+    def address(self, host: str, port: int, deadline: float, who: str) -> str:
+        with self._lock:
+            if self._busy >= self.LIMIT:
+                raise HandshakeError(f"cannot look up {host!r} for {who}: {self.LIMIT} name lookups are already "
+                                     "under way (a slow DNS?); give endpoints as IP addresses")
+            self._busy += 1
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append(socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM))
+            except Exception as e:  # noqa: BLE001 - reported to the caller below
+                box.append(e)
+            finally:
+                self._done()
+
+        t = threading.Thread(target=run, name="kvt-lookup", daemon=True)
+        t.start()
+        t.join(max(deadline - time.monotonic(), 0))
+        if not box:
+            raise HandshakeTimeout(f"looking up {host!r} for {who} did not finish in time")
+        if isinstance(box[0], Exception) or not box[0]:
+            raise HandshakeError(f"cannot look up {host!r} for {who}: {box[0]}")
+        return box[0][0][4][0]
+
+
+_lookups = _Lookups()
+os.register_at_fork(after_in_child=lambda: globals().update(_lookups=_Lookups()))
+
+
+def _numeric(endpoint: str, deadline: float, who: str) -> str:
+    """``endpoint`` with its host name looked up here, by the deadline.
+    ZMQ looks names up on its one I/O thread with a blocking getaddrinfo: a
+    name whose DNS answers slowly (a peer can name one) stalled every kvt
+    socket of the process, servers included, for as long."""
+    m = _TCP.fullmatch(endpoint)
+    if m is None:
+        return endpoint  # not tcp, or an IPv6 literal: nothing to look up
+    try:
+        ipaddress.IPv4Address(m["host"])
+        return endpoint
+    except ValueError:
+        return f"tcp://{_lookups.address(m['host'], int(m['port']), deadline, who)}:{m['port']}"
+
+
+def _connect(sock: zmq.Socket, endpoint: str, who: str, deadline: float) -> None:
+    endpoint = _numeric(endpoint, deadline, who)
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as e:
@@ -321,11 +402,15 @@ def _handshake(sock: zmq.Socket, endpoint: str, deadline: float, keyed: bool, wh
     handshake the server drops twice in a row (another key) too.  ZMQ
     reconnects after anything else (a server going down meanwhile) until the
     deadline."""
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
+    try:
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
+    except zmq.ZMQError as e:
+        raise HandshakeError(f"cannot watch the connection to {who}: {e} (at the open-file limit? raise "
+                             "`ulimit -n`)") from e
     dropped = 0
     try:
-        _connect(sock, endpoint, who)
-        while (left := deadline - time.monotonic()) > 0 and monitor.poll(max(1, int(left * 1000))):
+        _connect(sock, endpoint, who, deadline)
+        while (left := deadline - time.monotonic()) > 0 and monitor.poll(_ms(left)):
             event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 return
@@ -353,7 +438,7 @@ def request(endpoint: str, payload: bytes, timeout: float, secret: Secret | None
     """
     who, start = f"peer at {endpoint}", time.monotonic()
     sock, session = connect(zmq.REQ, endpoint, secret, timeout, who)
-    ms = max(1, int((timeout - (time.monotonic() - start)) * 1000))  # what is left of it, for each way
+    ms = _ms(timeout - (time.monotonic() - start))  # what is left of it, for each way
     try:
         sock.setsockopt(zmq.SNDTIMEO, ms)
         sock.setsockopt(zmq.RCVTIMEO, ms)

@@ -117,11 +117,13 @@ def decode(data: bytes, type: type[M]) -> M:  # noqa: A002 - mirrors msgspec's A
     try:
         env = _envelope.decode(data)
     except Exception as e:  # noqa: BLE001 - DecodeError, and RecursionError/MemoryError on hostile nesting
-        raise WireError(f"malformed kvt message ({len(data)} bytes): {e.__class__.__name__}: {e}") from e
+        raise WireError(f"malformed kvt message ({len(data)} bytes): {e.__class__.__name__}: {str(e)[:512]}") from e
     if env.v != WIRE_VERSION:
         raise VersionMismatch(f"peer speaks kvt wire version {env.v}, this kvt speaks {WIRE_VERSION}; "
                               "run the same kvt release on both sides")
     try:
         return msgspec.msgpack.decode(data, type=type)
     except Exception as e:  # noqa: BLE001 - ValidationError (__post_init__ too), RecursionError, ...
-        raise WireError(f"malformed {type.__name__} (tag {env.t!r}): {e.__class__.__name__}: {e}") from e
+        # a peer's text, cut short: it goes into logs and back to the peer
+        raise WireError(f"malformed {type.__name__} (tag {env.t[:64]!r}): {e.__class__.__name__}: "
+                        f"{str(e)[:512]}") from e

@@ -1,6 +1,7 @@
 import socket
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -89,3 +90,64 @@ def test_malformed_agent_info_is_wire_error():
     with Agent(name="a") as a:
         with pytest.raises(WireError):
             a.add_peer(b"\x92\x01")
+
+
+def test_timeouts_past_what_zmqs_waits_hold_are_accepted():
+    """The config allows timeouts up to ~31 years; ZMQ's waits take an int
+    of milliseconds (24.8 days): 35 days raised OverflowError."""
+    with HandshakeServer(lambda body: body[::-1]) as srv:
+        assert request(srv.endpoint, b"abc", timeout=3e6) == b"cba"
+
+
+def test_no_socket_left_is_a_handshake_error(monkeypatch):
+    """At the open-file limit (peers can hold our fds) ZMQ cannot open a
+    socket: a kvt error saying so, not zmq.ZMQError."""
+    def no_fd(self, *args, **kwargs):
+        raise zmq.ZMQError(24)  # EMFILE
+
+    with HandshakeServer(lambda body: body) as srv:
+        monkeypatch.setattr(zmq.Context, "socket", no_fd)
+        with pytest.raises(HandshakeError, match="open-file limit"):
+            request(srv.endpoint, b"abc", timeout=5)
+
+
+def test_a_peers_long_texts_are_cut_short_in_our_errors():
+    """A peer's error text, or a message's type tag, of megabytes went whole
+    into our exceptions (and logs), and a tag back into the reply to it."""
+    from kvt.agent import fetch_info
+    from kvt.wire import encode
+
+    with HandshakeServer(lambda body: encode(HandshakeReply(error="x" * (4 << 20)))) as srv:
+        with pytest.raises(HandshakeError) as e:
+            fetch_info(srv.endpoint, "me", 5)
+        assert len(str(e.value)) < 2000
+    tagged = msgspec.msgpack.encode({"v": 1, "t": "t" * (4 << 20)})
+    with pytest.raises(WireError) as e:
+        decode(tagged, HandshakeReply)
+    assert len(str(e.value)) < 2000
+
+
+def test_host_names_are_looked_up_by_kvt_within_the_timeout(monkeypatch):
+    """ZMQ looks names up on its one I/O thread, blocking every socket of the
+    process while a slow DNS answers (a peer can name such a host: in
+    kv_transfer_params, discovery records, metadata).  kvt looks names up
+    itself, each within its caller's timeout, and hands ZMQ the address."""
+    real = socket.getaddrinfo
+
+    def dns(host, *args, **kwargs):
+        if host.endswith("nowhere.kvt.test"):
+            time.sleep(3 if host.startswith("slow") else 0)
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real("127.0.0.1" if host == "peer.kvt.test" else host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", dns)
+    with HandshakeServer(lambda body: body[::-1]) as srv:
+        port = srv.endpoint.rsplit(":", 1)[1]
+        assert request(f"tcp://peer.kvt.test:{port}", b"abc", timeout=5) == b"cba"
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeTimeout, match="looking up"):
+            request(f"tcp://slow.nowhere.kvt.test:{port}", b"abc", timeout=0.5)
+        assert request(srv.endpoint, b"abc", timeout=5) == b"cba"  # while that lookup still runs
+        assert time.monotonic() - t0 < 2.5
+    with pytest.raises(HandshakeError, match="cannot look up"):
+        request("tcp://nowhere.kvt.test:1", b"abc", timeout=5)

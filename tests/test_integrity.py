@@ -90,3 +90,21 @@ def test_bad_digest_requests_get_a_typed_refusal(req):
         ok = decode(request(endpoint, encode(integrity.DigestRequest(layout="kv", block_ids=np.array([1, 2]).tobytes())),
                             5), HandshakeReply)
         assert len(ok.payload) == 8 and not ok.error
+
+
+@pytest.mark.parametrize("change", [lambda p: p[:-1], lambda p: p + b"\x00" * 8], ids=["short", "long"])
+def test_a_digest_reply_of_the_wrong_size_fails_the_check(pair, monkeypatch, change):
+    """A peer answering our digest request with bytes that are not its
+    digests (7 bytes: not uint64s) made wait() raise numpy's ValueError."""
+    import kvt.agent
+
+    src, me, local, peer = pair
+    real = kvt.agent.request
+
+    def altered(*args, **kwargs):
+        return encode(HandshakeReply(payload=change(decode(real(*args, **kwargs), HandshakeReply).payload)))
+
+    monkeypatch.setattr(kvt.agent, "request", altered)
+    with me.read_blocks(peer, [0, 1, 2], [5, 6, 7]) as t:
+        with pytest.raises(IntegrityError, match="bytes of digests"):
+            t.wait(10)
