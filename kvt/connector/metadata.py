@@ -68,6 +68,14 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError("remote_endpoints need tcp://host:port with a port of 1..65535")
         if self.remote_port and self.remote_port + self.tp_size - 1 > 65535:
             raise ValueError(f"remote_port {self.remote_port} + tp_size {self.tp_size} passes port 65535")
+        # Python's json keeps lone surrogates ("\ud800"), which no wire encodes: refused here, not
+        # as a UnicodeEncodeError out of the engine's scheduler step (signing, the step's metadata)
+        try:
+            for text in (self.remote_engine_id, self.remote_request_id, self.remote_host, *self.remote_endpoints):
+                if text is not None:
+                    text.encode()
+        except UnicodeEncodeError:
+            raise ValueError("text that is not valid Unicode (a lone surrogate)") from None
 
     @classmethod
     def parse(cls, params: Mapping[str, Any] | None) -> "TransferParams | None":
@@ -84,6 +92,8 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             return msgspec.convert({k: v for k, v in dict(params).items() if v is not None}, cls, strict=False)
         except msgspec.ValidationError as e:
             raise InvalidArgument(f"malformed kv_transfer_params: {e}") from e
+        except UnicodeError as e:  # a lone surrogate where msgspec wanted a number
+            raise InvalidArgument(f"malformed kv_transfer_params: text that is not valid Unicode: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)

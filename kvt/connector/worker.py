@@ -45,7 +45,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..agent import Agent, Transfer, fetch_info
-from ..errors import (ClosedError, IncompatiblePeer, InvalidArgument, KvtError, PeerDisconnected,
+from ..errors import (ClosedError, HandshakeTimeout, IncompatiblePeer, InvalidArgument, KvtError, PeerDisconnected,
                       TransferTimeout, WireError)
 from ..types import Op, PrepHandle
 from ..wire import AgentInfo, BlockLayout
@@ -402,12 +402,17 @@ class ConnectorWorker:
     def _handshake(self, src: RemoteSource) -> list[tuple[int, AgentInfo]]:
         """Background thread: fetch and check the metadata of every prefill
         rank we read from.  No backend calls here."""
-        out = []
+        out, deadline = [], time.monotonic() + self.config.handshake_timeout
         for rank in remote_ranks(self.rank, self.config.tp_size, src.tp_size):
             if rank >= len(src.endpoints):
                 raise IncompatiblePeer(f"no endpoint for prefill rank {rank} of engine {src.engine_id!r}")
-            info = fetch_info(src.endpoints[rank], self.agent.name, self.config.handshake_timeout,
-                              self.agent.secret)
+            # one handshake_timeout for all ranks: a request (and this thread) waits no longer,
+            # however many ranks its params name
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HandshakeTimeout(f"handshakes with the {src.tp_size} ranks of prefill engine "
+                                       f"{src.engine_id!r} took over {self.config.handshake_timeout:g}s")
+            info = fetch_info(src.endpoints[rank], self.agent.name, left, self.agent.secret)
             check_peer(self._card, WorkerCard.from_info(info), engine_id=src.engine_id, rank=rank,
                        tp_size=src.tp_size)
             out.append((rank, info))
@@ -461,11 +466,14 @@ class ConnectorWorker:
                 rl = part_layout(remote[read.remote_rank], card.parts, read.remote)
                 preps.append(self.agent.backend.prep(peers[read.remote_rank], rl.descs()))
                 paths.append(_Path(local, local_prep, rl, preps[-1]))
-        except KvtError:
+        except Exception as e:  # whatever failed, the peers loaded so far go (they piled up otherwise)
             for h in preps:
                 self._quietly(self.agent.backend.release, h)
             for peer in peers.values():
                 self._quietly(self.agent.remove_peer, peer)
+            if isinstance(e, ValueError):  # a rank's layout that cannot be cut as the first rank's
+                raise IncompatiblePeer(f"prefill engine {engine_id!r}: its ranks' layouts cannot be read "
+                                       f"alike: {e}") from None
             raise
         return _Remote(tp_size, peers, paths, [peers[r] for r in plan.notify_only], endpoints)
 

@@ -452,3 +452,92 @@ def test_handshakes_with_silent_endpoints_do_not_hold_up_a_real_prefill_engine(w
     finally:
         for s in silent:
             s.close()
+
+
+# -- a hostile prefill engine or params: bounded handshakes, nothing left loaded, typed refusals ------
+
+
+def test_one_handshake_timeout_covers_every_rank_the_params_name(workers, monkeypatch):
+    """Params naming 4 prefill ranks, each answering just inside the
+    timeout: the handshake ends after handshake_timeout in all (it was one
+    timeout per rank: up to 1,024 of them, with a request and a handshake
+    thread held the while)."""
+    import kvt.connector.worker as worker
+    from kvt.connector.metadata import RemoteSource
+    from kvt.errors import HandshakeTimeout
+
+    given = []
+
+    def slow_rank(endpoint, name, timeout, secret):  # a rank answering after 0.3 s of the 0.5 allowed
+        given.append(timeout)
+        time.sleep(min(0.3, timeout))
+        return None
+
+    monkeypatch.setattr(worker, "fetch_info", slow_rank)
+    monkeypatch.setattr(worker, "check_peer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(worker.WorkerCard, "from_info", staticmethod(lambda info: None))
+    d, _, _ = workers("d", handshake_timeout=0.5)
+    src = RemoteSource(engine_id="x", request_id="r", block_ids=[0], tp_size=4,
+                       endpoints=[f"tcp://127.0.0.1:{1000 + r}" for r in range(4)])
+    with pytest.raises(HandshakeTimeout):
+        d._handshake(src)
+    assert len(given) == 2 and given[1] < 0.25, given  # the second rank got what was left
+
+
+def test_a_handshake_failing_after_some_ranks_loaded_unloads_them(workers):
+    """A TP-2 prefill engine whose rank 1 publishes a layout that cannot be
+    cut as rank 0's (a smaller block at the top of the address space): the
+    request fails with IncompatiblePeer and the ranks already loaded are
+    unloaded (a ValueError skipped that, and every such request left its
+    peers loaded for good)."""
+    import threading
+
+    import msgspec
+    import zmq
+    from kvt.agent import fetch_info
+    from kvt.wire import HandshakeReply, encode
+
+    def serve(info):
+        s = zmq.Context.instance().socket(zmq.REP)
+        s.setsockopt(zmq.LINGER, 0)
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+
+        def answer():
+            s.recv()
+            s.send(encode(HandshakeReply(payload=encode(info))))
+            s.close()
+        threading.Thread(target=answer, daemon=True).start()
+        return f"tcp://127.0.0.1:{port}"
+
+    d, _, _ = workers("d")
+    dsched = ConnectorScheduler(config("d"))
+    (_, _, ep0), (_, _, ep1) = workers("x", tp=2, rank=0), workers("x", tp=2, rank=1)
+    i0, i1 = fetch_info(ep0, "t", 5.0), fetch_info(ep1, "t", 5.0)
+    lay = i1.layouts["kv"]
+    small = lay.block_len // 2
+    top = (1 << 64) - ((lay.num_blocks - 1) * lay.stride + small)
+    i1 = msgspec.structs.replace(i1, layouts={"kv": msgspec.structs.replace(
+        lay, block_len=small, base_addrs=[top] * len(lay.base_addrs))})
+    decode(dsched, "q", {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "x",
+                         "remote_request_id": "r", "tp_size": 2, "remote_endpoints": [serve(i0), serve(i1)]}, [2])
+    done = [set(), set()]
+    d.start_load_kv(dsched.build_connector_meta())
+    pump([(d, done)], lambda: "q" in done[1])
+    assert "IncompatiblePeer" in d.failure_reasons()["q"]
+    assert not d.agent.peers
+
+
+@pytest.mark.parametrize("field", ["tp_size", "remote_block_ids", "remote_engine_id", "remote_host"])
+def test_params_with_a_lone_surrogate_are_malformed_not_a_unicode_error(field):
+    """Python's json keeps lone surrogates ("\\ud800"); they raised
+    UnicodeEncodeError out of the scheduler (parsing, signing, or encoding
+    the step's metadata, losing every read of that step)."""
+    from kvt.errors import InvalidArgument
+
+    params = {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "x",
+              "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 5600,
+              field: "\ud800" if field != "remote_block_ids" else ["\ud800"]}
+    dsched = ConnectorScheduler(config("d"))
+    with pytest.raises(InvalidArgument, match="malformed"):
+        dsched.get_num_new_matched_tokens(EngineRequest("q", 8, params), 0)
+    dsched.build_connector_meta().encode()  # the step goes on
