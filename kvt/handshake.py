@@ -49,6 +49,8 @@ MAX_UNSENT_REPLY_BYTES = 256 << 20
 _ENVELOPE = 4096  # what a message may hold beyond ``max_msg_bytes`` in all: identity, delimiter, auth frame
 #: a connection that has not finished ZMQ's handshake (greeting, CURVE) by then is dropped
 HANDSHAKE_IVL_MS = 5000
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _MAX_MS = 2**31 - 1  # ZMQ's waits take a C int of milliseconds (24.8 days)
 
 
@@ -56,8 +58,6 @@ def _ms(seconds: float) -> int:
     """A ZMQ wait of ``seconds``: at least 1 ms, at most what its int holds
     (a longer timeout, which the config allows, raised OverflowError)."""
     return max(1, min(int(seconds * 1000), _MAX_MS))
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def _curve_pair(secret: Secret, role: bytes) -> tuple[bytes, bytes]:
@@ -369,7 +369,7 @@ class _Lookups:
 
 
 _lookups = _Lookups()
-os.register_at_fork(after_in_child=lambda: globals().update(_lookups=_Lookups()))
+os.register_at_fork(after_in_child=_lookups.__init__)
 
 
 def _numeric(endpoint: str, deadline: float, who: str) -> str:

@@ -235,7 +235,8 @@ def test_close_returns_after_a_peer_write_still_landing(monkeypatch):
         owner.register(Descs.from_buffers([dst]))
         writer.register(Descs.from_buffers([src]))
         blocks = np.arange(64, dtype=np.uint64) * 4096
-        rp = writer.prep(writer.add_remote(owner.local_metadata()), Descs.from_regions(dst.ctypes.data + blocks, [4096] * 64))
+        peer = writer.add_remote(owner.local_metadata())
+        rp = writer.prep(peer, Descs.from_regions(dst.ctypes.data + blocks, [4096] * 64))
         lp = writer.prep(None, Descs.from_regions(src.ctypes.data + blocks, [4096] * 64))
         writer.transfer(Op.WRITE, lp, np.arange(64), rp, np.arange(64))
         assert copying.wait(20)
