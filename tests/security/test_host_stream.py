@@ -328,3 +328,46 @@ def test_a_trickling_owner_ends_the_read_and_nothing_lands_after(end):
         b.close()
         router.close()
         listener.close()
+
+
+def test_an_idle_stream_is_closed_and_its_slot_given_back(monkeypatch):
+    """Idle served streams used to keep their slots for good: 64 of them took
+    every slot and honest peers fell back to ZMQ messages."""
+    from kvt_host import stream
+
+    monkeypatch.setattr(stream, "_IDLE", 0.5)
+    server = stream.StreamServer("127.0.0.1", None, None, timeout=10)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+            s.sendall(server.issue("idler"))
+            assert s.recv(1) == b"\x01"
+            assert len(server._conns) == 1
+            assert _closed(s)  # within the socket's 20 s; the owner hangs up after 0.5 s
+        deadline = time.monotonic() + 5
+        while server._conns and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not server._conns
+    finally:
+        server.close()
+
+
+def test_an_honest_stream_idle_past_the_owners_limit_is_reopened_not_failed(monkeypatch):
+    from kvt import Agent
+    from kvt_host import stream
+
+    monkeypatch.setattr(stream, "_IDLE", 0.6)
+    opts = {"transport": "tcp", "timeout": 10}
+    with Agent(name="owner", backend="host", options=opts) as owner, \
+            Agent(name="reader", backend="host", options=opts) as reader:
+        src = (np.arange(64 * 4096) % 251).astype(np.uint8)
+        dst = np.zeros_like(src)
+        owner.register_blocks("kv", [src.reshape(64, -1)])
+        reader.register_blocks("kv", [dst.reshape(64, -1)])
+        peer = reader.connect(owner.listen())
+        reader.read_blocks(peer, [1], [1]).wait(20)
+        first = reader.backend._peers[peer].stream
+        assert first is not None  # the bytes went over a stream
+        time.sleep(1.0)  # the owner closed it meanwhile
+        reader.read_blocks(peer, [2, 3], [2, 3]).wait(20)
+        assert reader.backend._peers[peer].stream is not first
+        assert np.array_equal(dst[4096:4 * 4096], src[4096:4 * 4096])

@@ -878,7 +878,7 @@ class HostBackend(Backend):
     def _stream(self, peer: _Peer, job: _Job) -> Stream | None:
         """The peer's data stream, opened through its server on first use;
         None where the server turns streams down (then the bytes go in ZMQ messages)."""
-        if peer.stream is not None and peer.stream.aborted:  # a release cut it after its move had ended
+        if peer.stream is not None and (peer.stream.aborted or peer.stream.stale):  # cut by a release, or idle
             peer.drop_stream()
         if peer.stream is None and peer.streams and time.monotonic() >= peer.stream_after:
             try:

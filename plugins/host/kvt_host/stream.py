@@ -17,7 +17,10 @@ messages instead).  Unknown, reused or late tokens get the connection
 closed.  A connection has ``_HELLO_TIMEOUT`` seconds in all to present its
 token, and at most ``_MAX_HELLOS`` may be presenting at once, apart from the
 ``_MAX_CONNECTIONS`` being served: a flood of idle connections can delay
-peers' streams, never take their slots.  Then, per request (little-endian)::
+peers' streams, never take their slots.  A served stream that sends no
+request for ``_IDLE`` seconds is closed, so idle streams give their slots
+back; initiators reopen theirs once idle for a third of that, so an honest
+stream is never closed under a request.  Then, per request (little-endian)::
 
     initiator -> owner   "kvtS" op:u8 kind:u8 0:u16 rows:u32 | rows x (addr, len, dev):u64 | WRITE: payload
                          (up to _AHEAD more requests may follow before the first answer is read)
@@ -68,6 +71,7 @@ _MAX_TOKENS = 256           # tokens outstanding at once
 _MAX_CONNECTIONS = 64       # stream connections an owner serves at once
 _MAX_HELLOS = 64            # connections presenting their token at once (not yet counted above)
 _HELLO_TIMEOUT = 5.0        # seconds a new connection has, in all, to present its token
+_IDLE = 60.0                # seconds a served stream may wait for its next request
 _AHEAD = 2                  # requests an initiator sends before reading the first one's answer
 _DIRECT = 256 << 10         # rows at least this long move straight from/to memory
 _PIECE = 1 << 20            # shorter ones are staged (gathered or scattered) this many bytes at a time
@@ -243,7 +247,7 @@ class StreamServer:
                 return
             _tune(conn)
             while not self._closed:
-                conn.settimeout(None)  # an idle stream waits for its next request
+                conn.settimeout(_IDLE)  # an idle stream waits this long for its next request
                 head = _recv_bytes(conn, _HEAD.size)
                 conn.settimeout(self._timeout)
                 self._request(conn, sender, head)
@@ -301,6 +305,13 @@ class Stream:
     def __init__(self, sock: socket.socket, timeout: float, who: str):
         self._sock, self._timeout, self.who = sock, timeout, who
         self.aborted = False
+        self._used = time.monotonic()
+
+    @property
+    def stale(self) -> bool:
+        """Idle long enough that the owner may soon close it: open a new one
+        (well before ``_IDLE``, so no request meets a stream being closed)."""
+        return time.monotonic() - self._used > _IDLE / 3
 
     @classmethod
     def open(cls, host: str, port: int, token: bytes, timeout: float, who: str) -> "Stream | None":
@@ -354,6 +365,8 @@ class Stream:
         except (OSError, ConnectionError) as e:
             self.close()
             raise PeerDisconnected(f"{self.who} closed the data stream during {op}: {e}") from None
+        finally:
+            self._used = time.monotonic()
         if refused is not None:
             raise refused
 
