@@ -10,7 +10,6 @@ travel next to it: a peer validates every remote descriptor list at
 from __future__ import annotations
 
 import os
-import re
 import struct
 
 import msgspec
@@ -27,11 +26,10 @@ __all__ = ["NixlMetadata", "pack", "unpack", "check_nixl_blob", "agent_name", "M
 #: largest NIXL blob a peer may hand us (a few hundred bytes per registered region)
 MAX_NIXL_BYTES = 16 << 20
 _HEADER = b"nixlSerDes|"
-_TAG = re.compile(rb"[A-Za-z]{0,16}")
-_COUNTS = (b"Conns", b"nixlSecElms", b"n")  # records whose value counts the records that follow
 _DESC_HEAD = 24  # a serialised descriptor: address, length, device id (u64 each), then the backend's blob
 _DRAM = 0        # nixl_mem_t DRAM_SEG
 _MAX_CONNS = 16  # connection records (one per NIXL backend plugin; there are a handful)
+_MIN_SECTION = 4 * 10 + 4 + 10 + 8  # bytes at least of a memory section (bknd, nixlDList, t, n): bounds their count
 #: zero bytes after every connection record's UCX worker address: ``ucp_ep_create`` takes an
 #: address without its length, so a truncated one would be parsed on into whatever follows it
 #: in memory (a crash that varies with the heap, which no sandbox can rule out); after the
@@ -66,25 +64,75 @@ def epoch_watch(md: NixlMetadata) -> EpochWatch | None:
     return EpochWatch.open(md.pid, md.epoch_fd, md.epoch)
 
 
-def _records(blob: bytes, name: str) -> list[tuple[bytes, bytes]]:
-    """The ``(tag, value)`` records of a NIXL blob (``WireError`` if they do not parse)."""
+class _Reader:
+    """NIXL's blob read the way NIXL reads it (``nixlAgentData::loadRemoteMD``):
+    each record's tag is the one NIXL expects next, not one guessed from the
+    bytes, so kvt checks exactly the records NIXL will load.  ``out`` collects
+    the ``(tag, value)`` records read."""
+
+    def __init__(self, blob: bytes, name: str):
+        self.blob, self.i, self.name, self.out = blob, len(_HEADER), name, []
+
+    def bad(self, what: str) -> WireError:
+        return WireError(f"NIXL metadata of {self.name!r}: {what} at byte {self.i}")
+
+    def take(self, tag: bytes, size: int | None = None) -> bytes:
+        b, i = self.blob, self.i
+        j = i + len(tag) + 8
+        if j > len(b) or b[i:i + len(tag)] != tag:
+            raise self.bad(f"expected a {tag.decode() or 'value'!r} record")
+        (n,) = struct.unpack_from("<Q", b, i + len(tag))
+        if n >= len(b) - j or b[j + n] != 0x7C or (size is not None and n != size):  # then '|'
+            raise self.bad(f"a malformed {tag.decode() or 'value'!r} record")
+        self.out.append((tag, b[j:j + n]))
+        self.i = j + n + 1
+        return self.out[-1][1]
+
+    def count(self, tag: bytes, limit: int) -> int:
+        (n,) = struct.unpack("<Q", self.take(tag, 8))
+        if n > limit:
+            raise self.bad(f"record {tag.decode()} promises {n} entries, more than can follow")
+        return n
+
+
+def _parse(blob: bytes, name: str) -> tuple[list[tuple[bytes, bytes]], list[tuple[bytes, int, bytes]]]:
+    """The records of a NIXL blob and the ``(backend, memory type, descriptor)``
+    of every descriptor in its memory sections (``WireError`` if they do not
+    parse).  The grammar, in NIXL's reading order::
+
+        Agent, Conns=C, C x (t, c), "MemSection", nixlSecElms=S,
+        S x (bknd, nixlDList="nixlSDList", t (u32 memory type), n=N, N x descriptor)
+
+    and nothing after."""
     if len(blob) > MAX_NIXL_BYTES:
         raise WireError(f"NIXL metadata of {name!r} is {len(blob)} bytes; the limit is {MAX_NIXL_BYTES}")
     if not blob.startswith(_HEADER):
         raise WireError(f"NIXL metadata of {name!r} lacks the nixlSerDes header")
-    records, i, end = [], len(_HEADER), len(blob)
-    while i < end:
-        for tl in range(len(_TAG.match(blob, i, i + 16).group()), -1, -1):  # longest tag whose record fits
-            j = i + tl + 8
-            if j <= end:
-                (n,) = struct.unpack_from("<Q", blob, i + tl)
-                if n < end - j and blob[j + n] == 0x7C:  # '|'
-                    records.append((blob[i:i + tl], blob[j:j + n]))
-                    i = j + n + 1
-                    break
-        else:
-            raise WireError(f"NIXL metadata of {name!r} has a malformed record at byte {i}")
-    return records
+    r, descs = _Reader(blob, name), []
+    r.take(b"Agent")
+    for _ in range(r.count(b"Conns", _MAX_CONNS)):
+        r.take(b"t")
+        r.take(b"c")
+    if r.take(b"") != b"MemSection":
+        raise r.bad("expected the memory section")
+    for _ in range(r.count(b"nixlSecElms", (len(blob) - r.i) // _MIN_SECTION)):
+        backend = r.take(b"bknd")
+        if r.take(b"nixlDList") != b"nixlSDList":
+            raise r.bad("a descriptor list of a kind NIXL does not load from peers")
+        mem = int.from_bytes(r.take(b"t", 4), "little")
+        for _ in range(r.count(b"n", (len(blob) - r.i) // (9 + _DESC_HEAD))):
+            desc = r.take(b"")
+            if len(desc) < _DESC_HEAD:
+                raise r.bad("a descriptor shorter than its address, length and device")
+            descs.append((backend, mem, desc))
+    if r.i != len(blob):
+        raise r.bad("bytes after the memory sections")
+    return r.out, descs
+
+
+def _records(blob: bytes, name: str) -> list[tuple[bytes, bytes]]:
+    """The ``(tag, value)`` records of a NIXL blob, in order (see ``_parse``)."""
+    return _parse(blob, name)[0]
 
 
 def check_nixl_blob(blob: bytes, name: str, reference: bytes | None = None) -> None:
@@ -92,28 +140,23 @@ def check_nixl_blob(blob: bytes, name: str, reference: bytes | None = None) -> N
     it (NIXL's own parser trusts lengths and counts, and UCX the addresses and
     keys inside: hostile blobs crash either).
 
-    The blob is ``nixlSerDes|`` then records ``tag, u64 length, value, '|'``;
-    every record must fit, the records must use the whole blob, the count
-    records (connections, sections, descriptors) may not promise more records
-    than follow, and the first record must name the agent ``name``.  Every
+    The blob is ``nixlSerDes|`` then records ``tag, u64 length, value, '|'``,
+    read in the order NIXL reads them (``_parse``): each must be the record
+    NIXL expects next and fit, counts (connections, sections, descriptors)
+    may not promise more than can follow, nothing may follow the memory
+    sections, and the first record must name the agent ``name``.  Every
     descriptor of a UCX memory section must be DRAM with a UCX host-memory
     remote key (``kvt.ucxkeys``; kvt's nixl backend registers DRAM only).
     With ``reference`` (our own blob), each connection record's UCX address
     must carry the same address-format version as ours: UCX asserts (aborts
     the process) on any other.  ``WireError`` otherwise."""
-    records = _records(blob, name)
-    if not records or records[0] != (b"Agent", name.encode()):
+    records, descriptors = _parse(blob, name)
+    if records[0][1] != name.encode():
         raise WireError(f"NIXL metadata does not belong to agent {name!r}")
-    for k, (tag, value) in enumerate(records):
-        if tag in _COUNTS:
-            if len(value) != 8 or struct.unpack("<Q", value)[0] > len(records) - k - 1:
-                raise WireError(f"NIXL metadata of {name!r}: record {tag.decode()} promises more than follows")
-    for backend, mem, desc in _descriptors(records, name):
+    for backend, mem, desc in descriptors:
         if backend == b"UCX" and (mem != _DRAM or not is_host_rkey(desc[_DESC_HEAD:])):
             raise WireError(f"NIXL metadata of {name!r} advertises memory whose UCX remote key is not a "
                             "host-memory key of this UCX release; run the same NIXL/UCX release on both sides")
-    if sum(t == b"c" for t, _ in records) > _MAX_CONNS:
-        raise WireError(f"NIXL metadata of {name!r} has more than {_MAX_CONNS} connection records")
     ours = [v for t, v in _records(reference, "self") if t == b"c" and v] if reference else []
     if ours and any(t == b"c" and not any(same_address_format(v, o) for o in ours) for t, v in records):
         raise WireError(f"NIXL metadata of {name!r} carries a transport address in a format this "
@@ -132,35 +175,8 @@ def _blob(records: list[tuple[bytes, bytes]]) -> bytes:
 
 
 def agent_name(blob: bytes) -> str:
-    """The agent a NIXL blob belongs to (its first record; ``WireError`` if none)."""
-    records = _records(blob, "?")
-    if not records or records[0][0] != b"Agent":
-        raise WireError("NIXL metadata does not start with its agent's name")
-    return records[0][1].decode(errors="replace")
-
-
-def _descriptors(records: list[tuple[bytes, bytes]], name: str) -> list[tuple[bytes, int, bytes]]:
-    """``(backend, memory type, descriptor)`` of every descriptor in the blob's
-    memory sections: ``bknd``, then ``nixlDList``, ``t`` (u32 memory type),
-    ``n`` (u64 count) and ``n`` untagged descriptor records."""
-    out, backend, k = [], b"", 0
-    while k < len(records):
-        tag, value = records[k]
-        if tag == b"bknd":
-            backend = value
-        elif tag == b"nixlDList":
-            head = records[k + 1:k + 3]
-            if [t for t, _ in head] != [b"t", b"n"] or len(head[0][1]) != 4:
-                raise WireError(f"NIXL metadata of {name!r}: a descriptor list without its type and count")
-            mem, (n,) = int.from_bytes(head[0][1], "little"), struct.unpack("<Q", head[1][1])
-            descs = records[k + 3:k + 3 + n]  # n is within the records (checked above)
-            if any(t or len(v) < _DESC_HEAD for t, v in descs):
-                raise WireError(f"NIXL metadata of {name!r}: a malformed descriptor")
-            out += [(backend, mem, v) for _, v in descs]
-            k += 3 + n
-            continue
-        k += 1
-    return out
+    """The agent a NIXL blob belongs to (its first record; ``WireError`` if it does not parse)."""
+    return _records(blob, "?")[0][1].decode(errors="replace")
 
 
 def unpack(data: bytes, reference: bytes | None = None) -> tuple[NixlMetadata, dict[MemKind, Descs]]:

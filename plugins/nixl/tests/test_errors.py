@@ -157,9 +157,48 @@ def test_connection_records_reach_nixl_padded_with_zeros(make_backend):
     padded = dict(_records(md.nixl, md.name))[b"c"]
     assert ADDRESS_PAD >= 4096 and padded == address + bytes(ADDRESS_PAD)
     assert [r for r in _records(md.nixl, md.name) if r[0] != b"c"] == [r for r in records if r[0] != b"c"]
-    many = _blob([r for r in records for _ in range(17 if r[0] == b"c" else 1)])
-    with pytest.raises(WireError, match="connection records"):
+    conns = records.index((b"", b"MemSection"))
+    many = _blob(records[:1] + [(b"Conns", (17).to_bytes(8, "little"))] + records[2:conns] * 17 + records[conns:])
+    with pytest.raises(WireError, match="Conns promises 17 entries"):
         unpack(encode(msgspec.structs.replace(raw, nixl=many)))
+
+
+def _rec(tag: bytes, value: bytes) -> bytes:
+    return tag + len(value).to_bytes(8, "little") + value + b"|"
+
+
+def test_records_nixl_reads_are_the_records_kvt_checks(make_backend):
+    """kvt used to guess each record's tag from the bytes (the longest run of
+    letters that fit); NIXL reads the tag it expects next.  A connection
+    record whose length's low byte is a letter then read, to kvt, as a short
+    record and one swallowing the rest, so the memory section NIXL loads
+    after it, with a forged UCX key, went unchecked (NIXL then crashed on it).
+    Now kvt reads in NIXL's order and refuses anything else."""
+    from kvt.wire import decode
+    from kvt_nixl.metadata import _HEADER, _records, check_nixl_blob
+
+    b, buf = make_backend(), np.zeros(1 << 16, np.uint8)
+    b.register(Descs.from_buffers([buf]))
+    raw = decode(b.local_metadata(), NixlMetadata)
+    records = _records(raw.nixl, raw.name)
+    forged = (Path(__file__).parents[3] / "tests/security/regressions/nixl_rkey-1-0.bin").read_bytes()
+    tail = b"".join(_rec(t, v) for t, v in records[records.index((b"", b"MemSection")):-1])
+    section = tail + _rec(b"", records[-1][1][:24] + forged)
+    head = _HEADER + _rec(b"Agent", raw.name.encode()) + _rec(b"Conns", (2).to_bytes(8, "little")) + \
+        b"".join(_rec(t, v) for t, v in records[2:4]) + _rec(b"t", b"ZZZ")
+    length = 199 * 256 + ord("A")  # read as tag "cA" and a 199-byte value by the old guess
+    value = bytearray(length)
+    value[200] = ord("|")
+    total = len(head) + 9 + length + 1 + len(section)
+    value[201:210] = b"x" + (total - 1 - (len(head) + 9 + 201 + 9)).to_bytes(8, "little")  # swallows the rest
+    hidden = head + b"c" + length.to_bytes(8, "little") + bytes(value) + b"|" + section
+    with pytest.raises(WireError, match="remote key is not a host-memory key"):
+        check_nixl_blob(hidden, raw.name)
+    honest = _HEADER + b"".join(_rec(t, v) for t, v in records)
+    check_nixl_blob(honest, raw.name)
+    for bad in (honest + b"x", honest.replace(b"nixlSecElms", b"nixlSecElmz"), honest.replace(b"Conns", b"Connz")):
+        with pytest.raises(WireError):
+            check_nixl_blob(bad, raw.name)
 
 
 def test_peer_without_a_transport_in_common_is_incompatible(make_backend):
