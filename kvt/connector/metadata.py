@@ -25,7 +25,7 @@ __all__ = ["CONNECTOR_VERSION", "MAX_TP", "TransferParams", "RemoteSource", "Rec
            "ConnectorMetadata", "ReadNotif"]
 
 #: bump when prefill and decode sides of different versions cannot pair
-CONNECTOR_VERSION = 1
+CONNECTOR_VERSION = 2  # 2: params carry prompt_digest, which kvt_mac covers
 #: the largest prefill tensor-parallel size ``kv_transfer_params`` may name
 MAX_TP = 1024
 
@@ -59,7 +59,10 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     remote_endpoints: Annotated[list[_Endpoint], Meta(max_length=MAX_TP)] = []
     expires_at: Annotated[float, Meta(ge=0, le=1e11)] | None = None  # finite: NaN never compares
     kvt_version: int = CONNECTOR_VERSION
-    #: the prefill engine's tag over where to read (engines with ``auth_key``)
+    #: BLAKE2b-128 of the prompt the prefill engine computed (``prompt_identity``); the decode
+    #: request's prompt must match it: params obtained for one prompt cannot fill another's blocks
+    prompt_digest: Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")] | None = None
+    #: the prefill engine's tag over where to read and for which prompt (engines with ``auth_key``)
     kvt_mac: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")] | None = None
 
     def __post_init__(self) -> None:
@@ -109,7 +112,8 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def _signed(self) -> bytes:
         # everything that says what to read and from whom (not the do_* flags, which engines flip)
         return msgspec.msgpack.encode((self.kvt_version, self.remote_engine_id, self.remote_request_id,
-                                       self.remote_block_ids, self.endpoints(), self.tp_size, self.expires_at))
+                                       self.remote_block_ids, self.endpoints(), self.tp_size, self.expires_at,
+                                       self.prompt_digest))
 
     def sign(self, secret: Secret | None) -> "TransferParams":
         """These params with ``kvt_mac`` set (unchanged without a secret)."""

@@ -374,7 +374,7 @@ class _Run:
             if ids is None:
                 break  # wait for held blocks to be freed
             self.queue.popleft()
-            req = EngineRequest(spec.request_id, spec.prompt_len, {"do_remote_decode": True})
+            req = EngineRequest(spec.request_id, spec.prompt_len, {"do_remote_decode": True}, self._tokens(spec))
             self.started[spec.request_id] = time.perf_counter()
             self.p.sched.update_state_after_alloc(req, ids, 0)
             admitted.append((spec, req, ids))
@@ -435,7 +435,7 @@ class _Run:
     def _admit(self, req_id: str, params: dict, compute: list) -> bool:
         """Schedule a delivered request; False to retry when blocks free up."""
         spec = self.specs[req_id]
-        req = EngineRequest(req_id, spec.prompt_len, params)
+        req = EngineRequest(req_id, spec.prompt_len, params, self._tokens(spec))
         if spec.abort == "decode_waiting":
             self.d.sched.request_finished(req, [], aborted=True)
             self._finish(req_id, "aborted", "aborted before it was scheduled")
@@ -463,6 +463,10 @@ class _Run:
         else:
             self.ready[req_id] = (req, ids, prefix)
         return True
+
+    def _tokens(self, spec: RequestSpec) -> np.ndarray:
+        """The request's prompt, as both engines see it (its toy KV's key picks it)."""
+        return np.arange(spec.prompt_len, dtype=np.int64) * 7 + self.keys[spec.request_id]
 
     def _prefix(self, spec: RequestSpec) -> int:
         """Blocks of the prompt already in the decode side's prefix cache."""

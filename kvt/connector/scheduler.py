@@ -34,7 +34,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from .config import ConnectorConfig
 from .metadata import ConnectorMetadata, RecvRequest, RemoteSource, TransferParams
 from .tp import tp_problem
 
-__all__ = ["Request", "EngineRequest", "ConnectorScheduler", "FinishedAggregator"]
+__all__ = ["Request", "EngineRequest", "ConnectorScheduler", "FinishedAggregator", "prompt_identity"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class Request(Protocol):
     request_id: str
     num_prompt_tokens: int
     kv_transfer_params: dict[str, Any] | None
+    # and, where the engine has them, ``prompt_token_ids`` (see ``prompt_identity``)
 
 
 @dataclass
@@ -62,6 +63,22 @@ class EngineRequest:
     request_id: str
     num_prompt_tokens: int
     kv_transfer_params: dict[str, Any] | None = field(default=None)
+    prompt_token_ids: Sequence[int] | None = None
+
+
+def prompt_identity(request: Request) -> bytes | None:
+    """What a request's KV is computed from, as bytes: its prompt token ids
+    (little-endian int64).  ``None`` when the request has none (prompt
+    embeddings): its hand-off then names no prompt.  Engines whose KV also
+    depends on more than the tokens (adapters, images) pass their own to
+    ``ConnectorScheduler`` (the vLLM adapter adds LoRA and multimodal inputs)."""
+    tokens = getattr(request, "prompt_token_ids", None)
+    if tokens is None:
+        return None
+    try:
+        return np.asarray(tokens, "<i8").tobytes()
+    except (ValueError, TypeError, OverflowError):  # not token ids: names no prompt
+        return None
 
 
 class _Spent:
@@ -155,8 +172,9 @@ class _Checked:
 class ConnectorScheduler:
     """Scheduler side of one engine."""
 
-    def __init__(self, config: ConnectorConfig):
+    def __init__(self, config: ConnectorConfig, identity: Callable[[Request], bytes | None] = prompt_identity):
         self.config = config
+        self._identity = identity  # what binds a hand-off to its prompt (prompt_identity)
         key = config.kvt_config().auth_key
         self._secret = Secret(key) if key is not None else None  # signs and checks kv_transfer_params
         self._endpoints = [config.endpoint(r) for r in range(config.tp_size)] if config.side_channel_port else []
@@ -198,7 +216,7 @@ class ConnectorScheduler:
             if self.config.kv_role == "kv_producer":
                 raise InvalidArgument("this engine's kv_role is kv_producer: it loads no KV from other engines; "
                                       "send do_remote_prefill requests to a kv_consumer or kv_both engine")
-            if p.remote_block_ids and (why := self._problem(p)):
+            if p.remote_block_ids and (why := self._problem(p) or self._prompt_problem(request, p)):
                 raise InvalidArgument(f"request {request.request_id!r}: {why}")
             self._checked.put(request.request_id, params, p)
         if p.remote_block_ids and (why := self._spent_problem(p)):
@@ -209,6 +227,20 @@ class ConnectorScheduler:
         """Why the blocks ``p`` names must not be read (or released) on its
         say-so, whoever carries it (``_spent_problem``: whether it was used)."""
         return p.source_problem(self._secret) or tp_problem(self.config.kv, p.tp_size, self.config.tp_size)
+
+    def _prompt_digest(self, request: Request) -> str | None:
+        identity = self._identity(request)
+        return None if identity is None else hashlib.blake2b(identity, digest_size=16, person=b"kvt-prompt").hexdigest()
+
+    def _prompt_problem(self, request: Request, p: TransferParams) -> str | None:
+        """Why ``request`` must not read what ``p`` names: the prefill engine
+        handed it off for another prompt.  (Signed with ``auth_key``, the
+        digest cannot be dropped or changed; without one, clients are trusted
+        and this only catches a router's mix-up.)"""
+        if p.prompt_digest is None or p.prompt_digest == self._prompt_digest(request):
+            return None
+        return ("its kv_transfer_params were handed off for another prompt (prompt_digest differs): the decode "
+                "request must carry the prompt the prefill engine computed (and its adapter and inputs)")
 
     def _spent_problem(self, p: TransferParams) -> str | None:
         if user := self._spent.user((p.remote_engine_id, p.remote_request_id)):
@@ -341,7 +373,7 @@ class ConnectorScheduler:
                     p = TransferParams.parse(params)
                 except InvalidArgument:
                     return False, None  # nothing we could have read, nobody to tell
-                if p.remote_block_ids and self._problem(p):
+                if p.remote_block_ids and (self._problem(p) or self._prompt_problem(request, p)):
                     return False, None
             if p.remote_block_ids and not self._spent_problem(p):
                 self._recv(req_id, p, [], [])
@@ -365,7 +397,8 @@ class ConnectorScheduler:
             do_remote_prefill=True, remote_block_ids=list(block_ids[:full]), remote_engine_id=self.config.engine_id,
             remote_request_id=req_id, remote_host=self.config.side_channel_host,
             remote_port=self.config.side_channel_port or None, tp_size=self.config.tp_size,
-            remote_endpoints=list(self._endpoints), expires_at=expires_at)
+            remote_endpoints=list(self._endpoints), expires_at=expires_at,
+            prompt_digest=self._prompt_digest(request) if full else None)
         return bool(full), out.sign(self._secret if full else None).to_dict()
 
     def outstanding(self) -> dict[str, int]:

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 
 from ..connector import ConnectorMetadata, ConnectorScheduler, ConnectorWorker  # noqa: E402
 from ..errors import ConfigError, InvalidArgument  # noqa: E402
-from .vllm_support import caches_for_kvt, connector_config  # noqa: E402
+from .vllm_support import caches_for_kvt, connector_config, request_identity  # noqa: E402
 
 try:  # vLLM >= 0.11: hybrid allocator, metrics, transfer results
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults, SupportsHMA
@@ -103,7 +103,7 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_loads: dict[str, list[int]] = {}  # scheduler: loads that could not start, for the next step
         self._failed_reported: set[int] = set()  # worker: their blocks, for get_block_ids_with_load_errors
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = ConnectorScheduler(connector_config(vllm_config))
+            self._scheduler = ConnectorScheduler(connector_config(vllm_config), request_identity)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import msgspec
+
 from ..connector import ConnectorConfig, KVCacheSpec
+from ..connector.scheduler import prompt_identity
 from ..errors import ConfigError, InvalidArgument
 
-__all__ = ["EXTRA_KEYS", "kv_layout_of", "head_layout_of", "block_first", "connector_config", "caches_for_kvt"]
+__all__ = ["EXTRA_KEYS", "kv_layout_of", "head_layout_of", "block_first", "connector_config", "caches_for_kvt",
+           "request_identity"]
 
 #: ``kv_connector_extra_config`` keys the adapter reads (ConnectorConfig fields)
 EXTRA_KEYS = ("backend", "backend_options", "side_channel_host", "side_channel_port", "abort_request_timeout",
@@ -137,3 +141,21 @@ def caches_for_kvt(kv_caches: Mapping[str, Any], mla: bool = False) -> tuple[str
     kv_layout, head_layout = kv_layout_of(first, mla), head_layout_of(first, mla)
     return kv_layout, head_layout, int(first.shape[-1]), {
         name: block_first(t, head_layout, mla) for name, t in kv_caches.items()}
+
+
+def request_identity(request: Any) -> bytes | None:
+    """What a vLLM request's KV is computed from: its prompt token ids, its
+    LoRA adapter and its multimodal inputs with their places (what vLLM's own
+    prefix-cache keys add to the tokens; ``cache_salt`` only partitions the
+    cache, the KV does not depend on it).  Signed into the hand-off's params,
+    so a client cannot present one prompt's params with another prompt."""
+    tokens = prompt_identity(request)
+    if tokens is None:
+        return None
+    lora = getattr(request, "lora_request", None)
+    try:
+        mm = [(str(f.identifier), int(f.mm_position.offset)) for f in getattr(request, "mm_features", None) or ()]
+    except (AttributeError, TypeError, ValueError):  # a vLLM without these fields: tokens and adapter only
+        mm = []
+    adapter = (str(lora.lora_name), str(getattr(lora, "lora_path", ""))) if lora else None
+    return tokens + msgspec.msgpack.encode((adapter, mm))

@@ -202,9 +202,9 @@ def test_a_peer_without_a_card_is_refused():
 # -- scheduler side ---------------------------------------------------------------
 
 
-def prefill_params(block_ids, req_id="p-req", **kw):
+def prefill_params(block_ids, req_id="p-req", tokens=None, **kw):
     p = ConnectorScheduler(config("p", side_channel_port=7000, **kw))
-    req = EngineRequest(req_id, len(block_ids) * 4, {"do_remote_decode": True})
+    req = EngineRequest(req_id, len(block_ids) * 4, {"do_remote_decode": True}, tokens)
     return p, p.request_finished(req, block_ids)
 
 
@@ -231,22 +231,48 @@ KEY = "k" * 32
     {"expires_at": 2e9},
     {"kvt_mac": None},
     {"kvt_mac": "00" * 32},
+    {"prompt_digest": None},  # unbound from its prompt
+    {"prompt_digest": "0" * 32},
 ])
 def test_with_auth_key_decode_reads_only_params_the_prefill_engine_signed(monkeypatch, change):
     monkeypatch.setenv("KVT_AUTH_KEY", KEY)
-    _, (_, params) = prefill_params([20, 21, 22])
+    prompt = list(range(12))
+    _, (_, params) = prefill_params([20, 21, 22], tokens=prompt)
     assert len(params["kvt_mac"]) == 64
     sched = ConnectorScheduler(config("d"))
-    good = EngineRequest("good", 12, dict(params))
+    good = EngineRequest("good", 12, dict(params), prompt)
     assert sched.get_num_new_matched_tokens(good, 0) == (12, True)
     sched.update_state_after_alloc(good, [5, 6, 7], 12)
     assert sched.build_connector_meta().reqs_to_recv["good"].remote.block_ids == [20, 21, 22]
-    forged = EngineRequest("forged", 12, {**params, **change})
+    forged = EngineRequest("forged", 12, {**params, **change}, prompt)
     with pytest.raises(InvalidArgument, match="kvt_mac"):
         sched.get_num_new_matched_tokens(forged, 0)
     # ended before it was scheduled: nobody is told anything on its say-so either
     assert sched.request_finished(forged, [], aborted=True) == (False, None)
     assert not sched.build_connector_meta()
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_params_handed_off_for_one_prompt_do_not_load_another(monkeypatch, key):
+    """A client that got params for prompt A (any user of the prefill engine
+    can) and sent them with prompt B used to fill B's blocks with A's KV, and
+    the decode engine's prefix cache then served them to others asking B."""
+    if key:
+        monkeypatch.setenv("KVT_AUTH_KEY", key)
+    a, b = list(range(100, 112)), list(range(200, 212))
+    _, params = ConnectorScheduler(config("p", side_channel_port=7000)).request_finished(
+        EngineRequest("p-req", 12, {"do_remote_decode": True}, a), [20, 21, 22])
+    assert len(params["prompt_digest"]) == 32
+    sched = ConnectorScheduler(config("d"))
+    assert sched.get_num_new_matched_tokens(EngineRequest("good", 12, dict(params), a), 0) == (12, True)
+    other = EngineRequest("other", 12, dict(params), b)
+    with pytest.raises(InvalidArgument, match="handed off for another prompt"):
+        sched.get_num_new_matched_tokens(other, 0)
+    assert sched.request_finished(other, [], aborted=True) == (False, None)
+    assert not sched.build_connector_meta().reqs_to_recv  # nobody told to free on its say-so
+    no_tokens = EngineRequest("embeds", 12, dict(params))  # prompt embeddings: no token ids
+    with pytest.raises(InvalidArgument, match="handed off for another prompt"):
+        sched.get_num_new_matched_tokens(no_tokens, 0)
 
 
 def test_auth_key_on_one_side_only(monkeypatch):

@@ -121,6 +121,20 @@ def test_hostile_params_never_stop_the_engine(engines):
     assert decode.generate([PROMPT], MAX_TOKENS, _handed(prefill, [PROMPT]))[0]["tokens"] == own["prompt"]
 
 
+def test_params_handed_off_for_another_prompt_are_refused(engines):
+    """Params any user of the prefill engine gets for one prompt, sent to the
+    decode engine with another: the decode engine used to read the first
+    prompt's KV into the second's blocks and then serve them from its prefix
+    cache to everyone asking the second prompt.  Refused now (one ERROR
+    line): the decode engine computes the request itself."""
+    prefill, decode, log, own = engines
+    other = [t + 1 for t in PROMPT]
+    before = _refusals(log)
+    handed = _handed(prefill, [other])[0]
+    assert decode.generate([PROMPT], MAX_TOKENS, [handed])[0]["tokens"] == own["prompt"]
+    assert _refusals(log) - before == 1
+
+
 def test_hostile_params_to_the_prefill_engine(engines):
     """Malformed fields are refused on a prefill request too (computed, not
     handed off); unknown keys and nulls are ignored (handed off)."""
