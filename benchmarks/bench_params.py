@@ -13,7 +13,9 @@ params cost the router and vLLM's HTTP layer anyway; ``wait step`` is one
 more ``get_num_new_matched_tokens`` of a request already asked about, what
 vLLM spends on it every step it waits for free blocks; ``after load`` is
 the ask vLLM makes once more after the load was scheduled (its
-``do_remote_prefill`` cleared).  Medians.
+``do_remote_prefill`` cleared).  Requests carry their prompt's token ids
+(a list, as vLLM's do), so both sides' ``prompt_digest`` is in the figures;
+``--no-tokens`` leaves them out (an engine without token ids).  Medians.
 """
 
 from __future__ import annotations
@@ -40,25 +42,26 @@ def schedulers(key: str | None) -> tuple[ConnectorScheduler, ConnectorScheduler]
         os.environ.pop("KVT_AUTH_KEY", None)
 
 
-def one(prefill: ConnectorScheduler, decode: ConnectorScheduler, blocks: list[int], i: int) -> tuple[float, ...]:
+def one(prefill: ConnectorScheduler, decode: ConnectorScheduler, blocks: list[int], i: int,
+        prompt: list[int] | None) -> tuple[float, ...]:
     """(prefill, decode, json round trip, wait step, after load) seconds of one request."""
     tokens = len(blocks) * SPEC.block_size
     t0 = time.perf_counter()
-    _, params = prefill.request_finished(EngineRequest(f"p{i}", tokens, {"do_remote_decode": True}), blocks)
+    _, params = prefill.request_finished(EngineRequest(f"p{i}", tokens, {"do_remote_decode": True}, prompt), blocks)
     prefill.build_connector_meta()
     t1 = time.perf_counter()
     params = json.loads(json.dumps(params))
     t2 = time.perf_counter()
-    req = EngineRequest(f"d{i}", tokens, params)
+    req = EngineRequest(f"d{i}", tokens, params, prompt)
     n, _ = decode.get_num_new_matched_tokens(req, 0)
     decode.update_state_after_alloc(req, blocks, n)
     assert decode.build_connector_meta().reqs_to_recv
     t3 = time.perf_counter()
     assert decode.get_num_new_matched_tokens(req, n) == (0, False)
     t_after = time.perf_counter() - t3
-    _, params = prefill.request_finished(EngineRequest(f"w{i}", tokens, {"do_remote_decode": True}), blocks)
+    _, params = prefill.request_finished(EngineRequest(f"w{i}", tokens, {"do_remote_decode": True}, prompt), blocks)
     prefill.build_connector_meta()
-    waiting = EngineRequest(f"w{i}", tokens, json.loads(json.dumps(params)))
+    waiting = EngineRequest(f"w{i}", tokens, json.loads(json.dumps(params)), prompt)
     assert decode.get_num_new_matched_tokens(waiting, 0)[0] == tokens
     t4 = time.perf_counter()
     decode.get_num_new_matched_tokens(waiting, 0)
@@ -72,16 +75,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", default="16,1024,100000")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--no-tokens", action="store_true", help="requests without prompt token ids")
     args = ap.parse_args()
     print(f"{'blocks':>8} {'key':>4} {'prefill us':>11} {'decode us':>10} {'json us':>8} {'wait step us':>13} {'after load us':>14}")
     for nblocks in map(int, args.blocks.split(",")):
         blocks = list(range(nblocks))
+        prompt = None if args.no_tokens else [(t * 7919) % 128_000 for t in range(nblocks * SPEC.block_size)]
         reps = max(5, args.reps * 1024 // max(nblocks, 1024))
         pairs = {"no": schedulers(None), "yes": schedulers("bench-" + "k" * 32)}
         times: dict[str, list[tuple[float, ...]]] = {k: [] for k in pairs}
         for i in range(reps):  # alternate, so machine load hits both alike
             for k, (p, d) in pairs.items():
-                times[k].append(one(p, d, blocks, i))
+                times[k].append(one(p, d, blocks, i, prompt))
         for k, ts in times.items():
             med = [statistics.median(t[j] for t in ts) * 1e6 for j in range(5)]
             print(f"{nblocks:>8} {k:>4} {med[0]:>11.1f} {med[1]:>10.1f} {med[2]:>8.1f} {med[3]:>13.1f} {med[4]:>14.1f}")
