@@ -86,7 +86,9 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.auth_key_file is not None:
             if self.auth_key is not None:
                 raise ValueError("set auth_key or auth_key_file, not both")
-            self.auth_key = _read_key(self.auth_key_file)
+            # read once: the key is what the config holds from now on, so a copy rebuilt from its
+            # fields (pickled to a child process, converted) has auth_key alone and reads nothing
+            self.auth_key, self.auth_key_file = _read_key(self.auth_key_file), None
         if self.auth_key is not None and len(self.auth_key) < MIN_KEY_CHARS:
             raise ValueError(f"auth_key must be at least {MIN_KEY_CHARS} characters; generate one with "
                              "python -c 'import secrets; print(secrets.token_hex(32))'")
@@ -105,6 +107,11 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return f"Config({shown})"
 
     __rich_repr__ = None
+
+    def shown(self) -> dict[str, Any]:
+        """The fields as plain data for reports and ``--json`` output, secrets masked."""
+        return msgspec.to_builtins({f: "***" if f in _SECRET_FIELDS and v is not None else v
+                                    for f, v in msgspec.structs.asdict(self).items() if f != "shared_options"})
 
 
 MAX_KEY_FILE_BYTES = 65536  # a key file is a line of text: /dev/zero or a huge file must not be read whole

@@ -17,7 +17,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-import msgspec
 import numpy as np
 
 from .config import Config
@@ -163,5 +162,5 @@ def run(spec: DemoSpec, echo=print) -> dict:
     lat = sorted(result["latencies"])
     result["median_s"] = statistics.median(lat)
     result["gbps"] = result["bytes"] / result["median_s"] / 1e9
-    result["spec"] = {**asdict(spec), "config": msgspec.to_builtins(spec.config)}
+    result["spec"] = {**asdict(spec), "config": spec.config.shown()}
     return result

@@ -386,6 +386,32 @@ def test_demo_child_failure_is_one_line_not_a_traceback(tmp_path):
     assert_refused(r, "prefill", "torch is broken here (test)")
 
 
+@pytest.mark.parametrize("how", ["KVT_AUTH_KEY", "KVT_AUTH_KEY_FILE"])
+def test_demo_json_runs_with_a_key_and_never_shows_it(tmp_path, how):
+    # before: --json printed the key in clear; and a key from a file failed in the children
+    # ("set auth_key or auth_key_file, not both": the file was read again from the pickled config)
+    key = "demo-secret-" + "x" * 32
+    (tmp_path / "key").write_text(key + "\n")
+    r = run_kvt("demo", "--json", "--blocks", "8", "--request-blocks", "4", "--layers", "1",
+                env={how: key if how == "KVT_AUTH_KEY" else str(tmp_path / "key")})
+    assert r.returncode == 0, r.stderr
+    assert key not in r.stdout + r.stderr
+    assert json.loads(r.stdout)["spec"]["config"]["auth_key"] == "***"
+
+
+def test_engine_demo_workers_run_with_the_config_file(tmp_path):
+    # before: --engine passed on only the backend and its options; the workers ran without the
+    # file's auth_key and integrity, and nothing said so
+    key = "engine-secret-" + "y" * 32
+    (tmp_path / "kvt.toml").write_text(f'auth_key = "{key}"\nintegrity = true\n')
+    r = run_kvt("demo", "--engine", "--json", "--config", str(tmp_path / "kvt.toml"), "--requests", "3",
+                "--blocks", "16", "--request-blocks", "4", "--layers", "1", timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert key not in r.stdout + r.stderr
+    ranks = [w for ws in json.loads(r.stdout)["workers"].values() for w in ws]
+    assert len(ranks) == 2 and all(w["config"]["auth_key"] == "***" and w["config"]["integrity"] for w in ranks)
+
+
 @pytest.mark.parametrize("group", [True, False])
 def test_demo_ctrl_c_stops_its_children(group):
     p = start_kvt("demo", "--blocks", "8", "--request-blocks", "4", "--layers", "1", "--iters", "100000000")

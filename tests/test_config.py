@@ -225,3 +225,19 @@ def test_unrecognised_integrity_variable_is_refused(value):
     # before: anything but 1/true/yes/on silently meant off -- a typo disabled the checks
     with pytest.raises(ConfigError, match=rf"KVT_INTEGRITY.*{value!r}.*1, true, yes, on.*0, false, no, off"):
         load_config(env={"KVT_INTEGRITY": value})
+
+
+def test_a_key_read_from_its_file_survives_copies_and_is_never_shown(tmp_path):
+    # before: the copy a child process unpickles (or msgspec rebuilds) had auth_key and
+    # auth_key_file both set, and failed with "set auth_key or auth_key_file, not both"
+    import pickle
+
+    import msgspec
+
+    key = "file-key-" + "z" * 32
+    (tmp_path / "key").write_text(key + "\n")
+    cfg = Config(auth_key_file=str(tmp_path / "key"))
+    assert cfg.auth_key == key and cfg.auth_key_file is None
+    assert pickle.loads(pickle.dumps(cfg)).auth_key == key
+    assert msgspec.convert(msgspec.to_builtins(cfg), Config).auth_key == key
+    assert cfg.shown()["auth_key"] == "***" and key not in repr(cfg) + repr(cfg.shown())

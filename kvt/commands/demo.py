@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from . import add_config_arguments, check_seconds, config_from_args, format_bytes, physical_memory
 
@@ -66,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
     backend = config.backend
     options = own_options(backend, config.options, config.shared_options)  # a typo refused before any child starts
     if args.engine:
+        from ..config import ENV_CONFIG
         from ..connector.engine_demo import engine_demo
+
+        if args.config:  # the engines' workers load their settings (auth_key, integrity...) as a real engine's do
+            os.environ[ENV_CONFIG] = args.config
 
         return engine_demo(backend=backend, backend_options=options, requests=args.requests,
                            layers=args.layers, heads=args.heads, head_dim=args.head_dim,

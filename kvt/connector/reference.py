@@ -211,7 +211,7 @@ def _worker_main(spec: EngineSpec, rank: int, conn) -> None:
                 cmd, work = conn.recv()
                 if cmd == "stop":
                     conn.send(("ok", {"outstanding": worker.outstanding(), "stats": dict(worker.stats),
-                                      "timings": worker.take_timings()}))
+                                      "timings": worker.take_timings(), "config": worker.agent.config.shown()}))
                     return
                 conn.send(("ok", _step(worker, layers, spec, rank, work)))
     except BaseException:
