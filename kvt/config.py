@@ -92,6 +92,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.auth_key is not None and len(self.auth_key) < MIN_KEY_CHARS:
             raise ValueError(f"auth_key must be at least {MIN_KEY_CHARS} characters; generate one with "
                              "python -c 'import secrets; print(secrets.token_hex(32))'")
+        if self.discovery is not None:  # a typo in the URL shows now, not at the first connect by name
+            from .discovery import parse_url
+
+            try:
+                parse_url(self.discovery)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
         if "auth_key" in self.options:
             raise ValueError("auth_key is a configuration field, not a backend option: set auth_key in "
                              f"the config file or {ENV_AUTH_KEY}")

@@ -35,7 +35,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from .errors import ConfigError, DiscoveryError, InvalidArgument, UnknownPeer
 
-__all__ = ["Store", "EtcdStore", "TcpStore", "open_store", "DEFAULT_TTL"]
+__all__ = ["Store", "EtcdStore", "TcpStore", "open_store", "parse_url", "DEFAULT_TTL"]
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +49,39 @@ _ENDPOINT = re.compile(r"tcp://[A-Za-z0-9._:\[\]-]{1,300}")
 _HOST_PORT = re.compile(r"(?:[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
 
 
-def open_store(url: str | None) -> "Store":
-    """The store ``url`` names; ``ConfigError`` for none or an unknown scheme."""
+def parse_url(url: str | None) -> tuple[str, list[str], bool]:
+    """``(scheme, ["host:port", ...], server)`` of a discovery URL;
+    ``ConfigError`` for none, a malformed one or an unknown scheme (also
+    checked when the configuration is loaded, so a typo shows at start)."""
     if not url:
         raise ConfigError("no discovery store configured: set KVT_DISCOVERY=etcd://host:port "
                           "(or tcpstore://host:port), or connect by tcp:// endpoint")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # checked here: a port out of range or not a number raises ValueError
+    except ValueError as e:
+        raise ConfigError(f"discovery URL {url!r} is malformed ({e}); use etcd://host:port or "
+                          "tcpstore://host:port") from None
     if parts.scheme == "etcd":
         members = [hp for hp in parts.netloc.split(",") if hp]
         for hp in members:
             if not _HOST_PORT.fullmatch(hp) or not 0 < int(hp.rpartition(":")[2]) < 65536:
                 raise ConfigError(f"discovery URL {url!r}: {hp!r} is not host:port")
-        return EtcdStore([f"http://{hp}" for hp in members])
+        return "etcd", members, False
     if parts.scheme == "tcpstore":
-        if not parts.hostname or not parts.port:
+        if not parts.hostname or not port:
             raise ConfigError(f"discovery URL {url!r} needs tcpstore://host:port")
-        return TcpStore(parts.hostname, parts.port, server=parse_qs(parts.query).get("server") == ["1"])
+        return "tcpstore", [f"{parts.hostname}:{port}"], parse_qs(parts.query).get("server") == ["1"]
     raise ConfigError(f"discovery URL {url!r}: unknown scheme {parts.scheme!r}; use etcd:// or tcpstore://")
+
+
+def open_store(url: str | None) -> "Store":
+    """The store ``url`` names (``parse_url``)."""
+    scheme, members, server = parse_url(url)
+    if scheme == "etcd":
+        return EtcdStore([f"http://{hp}" for hp in members])
+    host, _, port = members[0].rpartition(":")
+    return TcpStore(host, int(port), server=server)
 
 
 def _check_name(name: str) -> str:
@@ -312,7 +328,13 @@ class EtcdStore(Store):
 
 
 class TcpStore(Store):
-    """torch's c10d TCPStore; records carry their expiry (it has no leases)."""
+    """torch's c10d TCPStore; records carry their expiry (it has no leases).
+
+    c10d's client calls block without a deadline once connected (a store
+    host that stops answering held ``Agent.connect`` for good), so each runs
+    on a thread of its own that the caller waits for within its timeout;
+    while one call has not come back, further calls fail at once (at most
+    one thread is ever left waiting on a silent store)."""
 
     def __init__(self, host: str, port: int, server: bool = False, timeout: float = 5.0):
         super().__init__()
@@ -322,34 +344,58 @@ class TcpStore(Store):
             from torch.distributed import TCPStore as _TCPStore
         except ImportError as e:
             raise ConfigError("tcpstore:// discovery needs torch (pip install torch)") from e
-        self.where = f"TCPStore at {host}:{port}"
-        try:
-            self._s = _TCPStore(host, port, is_master=server, wait_for_workers=False,
-                                timeout=datetime.timedelta(seconds=timeout))
-        except Exception as e:  # RuntimeError / DistStoreError from c10d
-            raise DiscoveryError(f"cannot reach {self.where}: {e}") from e
+        self.where, self.timeout = f"TCPStore at {host}:{port}", timeout
+        self._stuck: tuple[threading.Thread, str] | None = None  # a call that has not come back
+        self._calls = threading.Lock()  # guards _stuck (not Store._lock: publish holds that across _put)
+        self._s = self._call("connecting", timeout, _TCPStore, host, port, is_master=server,
+                             wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
 
     def __str__(self) -> str:
         return self.where
 
+    def _call(self, what: str, limit: float, fn, *args, **kw) -> Any:
+        """``fn(*args, **kw)`` within ``limit`` seconds; ``DiscoveryError`` otherwise."""
+        with self._calls:
+            if self._stuck is not None and self._stuck[0].is_alive():
+                raise DiscoveryError(f"{self.where} has not answered an earlier call ({self._stuck[1]}); "
+                                     "is the store host up and not overloaded?")
+            self._stuck = None
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["value"] = fn(*args, **kw)
+            except Exception as e:  # noqa: BLE001 - c10d's RuntimeError / DistStoreError, reported below
+                out["error"] = e
+
+        t = threading.Thread(target=run, name="kvt-tcpstore", daemon=True)
+        t.start()
+        t.join(limit)
+        if t.is_alive():
+            with self._calls:
+                self._stuck = (t, what)
+            raise DiscoveryError(f"{self.where} did not answer ({what}) within {limit:g}s; is it a TCPStore, "
+                                 "and is its host up?")
+        if "error" in out:
+            raise DiscoveryError(f"{self.where}: {what} failed: {out['error']}") from out["error"]
+        return out["value"]
+
     def _write(self, name: str, endpoint: str, ttl: float) -> None:
         rec = json.dumps({"endpoint": endpoint, "expires": time.time() + ttl})
-        try:
-            self._s.set(_PREFIX + name, rec)
-        except Exception as e:
-            raise DiscoveryError(f"{self.where}: publishing {name!r} failed: {e}") from e
+        self._call(f"publishing {name!r}", self.timeout, self._s.set, _PREFIX + name, rec)
 
     def _put(self, name: str, endpoint: str, ttl: float) -> None:
         self._write(name, endpoint, ttl)
 
     def _get(self, name: str, timeout: float) -> str | None:
         key = _PREFIX + name
-        try:
-            if not self._s.check([key]):
-                return None
-            raw = self._s.get(key)
-        except Exception as e:
-            raise DiscoveryError(f"{self.where}: resolving {name!r} failed: {e}") from e
+
+        def get() -> bytes | None:
+            return self._s.get(key) if self._s.check([key]) else None
+
+        raw = self._call(f"resolving {name!r}", timeout if 0 < timeout <= MAX_TTL else self.timeout, get)
+        if raw is None:
+            return None
         endpoint, expires = _endpoint_of(raw, name, self.where)
         return None if expires is None or expires < time.time() else endpoint
 
@@ -357,10 +403,7 @@ class TcpStore(Store):
         self._write(name, endpoint, ttl)
 
     def _drop(self, name: str, lease: Any) -> None:
-        try:
-            self._s.delete_key(_PREFIX + name)
-        except Exception as e:
-            raise DiscoveryError(f"{self.where}: withdrawing {name!r} failed: {e}") from e
+        self._call(f"withdrawing {name!r}", self.timeout, self._s.delete_key, _PREFIX + name)
 
     def close(self) -> None:
         super().close()

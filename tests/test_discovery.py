@@ -57,9 +57,70 @@ def test_bad_names_urls_and_ttls(store):
             store.resolve(name)
     with pytest.raises(InvalidArgument, match="ttl"):
         store.publish("p", "tcp://a:1", ttl=0.1)
-    for url in (None, "", "zk://a:1", "tcpstore://nohost"):
+    for url in (None, "", "zk://a:1", "tcpstore://nohost", "tcpstore://127.0.0.1:99999", "tcpstore://h:abc",
+                "tcpstore://[::1", "etcd://[::1"):  # the last four raised ValueError from urllib
         with pytest.raises(ConfigError):
             open_store(url)
+
+
+def test_a_malformed_discovery_url_is_refused_when_the_config_loads(monkeypatch):
+    from kvt.config import load_config
+
+    monkeypatch.setenv("KVT_DISCOVERY", "tcpstore://127.0.0.1:99999")
+    with pytest.raises(ConfigError, match="KVT_DISCOVERY.*malformed"):
+        load_config()
+
+
+def _silent_listener():
+    """A port that accepts connections and never answers (a hung store host, another service)."""
+    s = socket.create_server(("127.0.0.1", 0))
+    return s, s.getsockname()[1]
+
+
+def test_a_store_that_never_answers_is_a_discovery_error_within_the_timeout():
+    # before: the c10d client's calls blocked without end (connect and resolve alike)
+    listener, port = _silent_listener()
+    with listener:
+        t0 = time.monotonic()
+        with pytest.raises(DiscoveryError, match="did not answer"):
+            TcpStore("127.0.0.1", port, timeout=1)
+        assert time.monotonic() - t0 < 30
+
+
+def test_a_store_that_stops_answering_fails_resolves_in_time_and_serves_again_after():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import datetime, time\nfrom torch.distributed import TCPStore\n"
+        "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
+        "timeout=datetime.timedelta(seconds=5))\nprint(s.port, flush=True)\ntime.sleep(300)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        client = open_store(f"tcpstore://127.0.0.1:{server.stdout.readline().strip()}")
+        client.publish("p", "tcp://10.1.2.3:7", ttl=60)
+        os.kill(server.pid, signal.SIGSTOP)  # the store's host hangs
+        t0 = time.monotonic()
+        with pytest.raises(DiscoveryError, match="within 1s"):
+            client.resolve("p", timeout=1)
+        with pytest.raises(DiscoveryError, match="earlier call"):  # at once: no second thread left waiting
+            client.resolve("p", timeout=1)
+        assert time.monotonic() - t0 < 20
+        os.kill(server.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert client.resolve("p", timeout=5) == "tcp://10.1.2.3:7"
+                break
+            except DiscoveryError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        client.close()
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_unreachable_stores_are_typed_errors():

@@ -244,6 +244,12 @@ class ExampleBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        # as deregister for every registration: no new copy passes a peer's check once the regions
+        # are gone, and the caller may free the memory once close returns, so wait for the copies
+        # that passed it (a peer's worker holds _copying across its memmove)
+        with self._cv:
+            self._regions.clear()
+            drained = self._cv.wait_for(lambda: not self._copying, self.timeout)
         for job in list(self._xfers.values()):
             job.finish(XferState.err(TransferError("backend closed")))
         self._worker.shutdown(wait=True)  # queued jobs see ERR and return at once
@@ -252,5 +258,7 @@ class ExampleBackend(Backend):
                 del _AGENTS[self.agent_name]
         self._xfers.clear()
         self._preps.clear()
-        self._regions.clear()
         self._peers.clear()
+        if not drained:
+            raise KvtTimeoutError(f"a copy still used {self.agent_name!r}'s memory after {self.timeout:g}s; "
+                                  "do not free it yet")
