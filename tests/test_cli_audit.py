@@ -132,6 +132,13 @@ PLUGIN_MODULES = {
             @classmethod
             def availability(cls):
                 return Availability(False, 12345)
+
+        class ListOptionNames(FakeBackend):
+            option_names = ["timeout", "depth"]
+
+        class ExitingConstructor(FakeBackend):
+            def __init__(self, agent_name, options):
+                raise SystemExit(5)
     """,
 }
 ENTRY_POINTS = {
@@ -142,6 +149,8 @@ ENTRY_POINTS = {
     "aunencodable": "kvt_audit_plugins.weird:UnencodableCaps",
     "awrongtypes": "kvt_audit_plugins.weird:WrongTypedCaps",
     "anumberreason": "kvt_audit_plugins.weird:NumberReason",
+    "alistoptions": "kvt_audit_plugins.weird:ListOptionNames",
+    "aexitctor": "kvt_audit_plugins.weird:ExitingConstructor",
 }
 
 
@@ -188,13 +197,18 @@ def test_backends_lists_the_others_when_plugins_hang_or_exit(on_path):
 def test_backends_json_and_table_survive_malformed_declarations(on_path):
     # before: one plugin's unencodable capabilities broke --json for every backend (TypeError),
     # and a non-string availability reason broke the table
-    r = run_kvt("backends", "--json", "host", "aunencodable", "awrongtypes", "anumberreason",
-                env={"PYTHONPATH": on_path})
-    assert r.returncode == 0, r.stderr
+    # (and option_names as a list made the probe thread die: a thread traceback, then "it hangs" after
+    # the whole probe timeout)
+    started = time.monotonic()
+    r = run_kvt("backends", "--json", "--timeout", "30", "host", "aunencodable", "awrongtypes", "anumberreason",
+                "alistoptions", env={"PYTHONPATH": on_path})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert time.monotonic() - started < 25
     rows = {row["name"]: row for row in json.loads(r.stdout)}
     assert rows["host"]["usable"] is True
     for name in ("aunencodable", "awrongtypes"):
         assert rows[name]["usable"] is False and "capabilities" in rows[name]["reason"], rows[name]
+    assert rows["alistoptions"]["usable"] is False and "option_names" in rows["alistoptions"]["reason"]
     assert rows["anumberreason"]["usable"] is False and isinstance(rows["anumberreason"]["reason"], str)
     r = run_kvt("backends", "host", "anumberreason", "aunencodable", env={"PYTHONPATH": on_path})
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
@@ -207,6 +221,8 @@ def test_registry_turns_sys_exit_in_a_plugin_into_kvt_errors(on_path):
         registry.load_backend("aexits")
     with pytest.raises(BackendUnavailable, match="SystemExit: 4"):
         registry.create_backend("aexitprobe", "a")
+    with pytest.raises(BackendUnavailable, match="SystemExit: 5"):  # from its constructor
+        registry.create_backend("aexitctor", "a")
     status = registry.probe("ahangprobe", timeout=0.5)
     assert not status.usable and "within 0.5s" in status.availability.reason
 
