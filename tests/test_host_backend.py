@@ -360,3 +360,13 @@ def test_a_prep_from_before_the_peer_restarted_moves_nothing_the_new_process_did
             theirs = np.frombuffer(q.get(timeout=30), np.uint8)
         assert state.failed and isinstance(state.cause, TransferError), state
         assert (local == 0x11).all() and (theirs == 0x5A).all(), "bytes moved to or from unregistered memory"
+
+
+@pytest.mark.parametrize("value", ["lots", -1, 1.5, True, None, 1 << 50])
+def test_a_bad_inline_bytes_is_a_config_error_naming_it(value):
+    # before: "failed to start: ValueError: invalid literal for int()" (or accepted: -1, 1.5, True)
+    from kvt import ConfigError
+    from kvt_host.backend import HostBackend
+
+    with pytest.raises(ConfigError, match="inline_bytes"):
+        HostBackend("bad-inline", {"timeout": 5, "inline_bytes": value})

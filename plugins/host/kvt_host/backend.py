@@ -431,7 +431,11 @@ class HostBackend(Backend):
         self._peers = PeerTable()  # name -> _Peer
         self._inbox = Inbox()
         #: transfers up to this many bytes between host memory on this host run in the calling thread
-        self.inline_bytes = int(self.options.get("inline_bytes", 16 << 20))
+        inline = self.options.get("inline_bytes", 16 << 20)
+        if isinstance(inline, bool) or not isinstance(inline, int) or not 0 <= inline <= 1 << 40:
+            raise ConfigError(f"host backend option 'inline_bytes' must be a whole number of bytes (0 turns "
+                              f"inline copies off), got {inline!r}")
+        self.inline_bytes = inline
         self._local = _Lane("kvt-host-local", self.timeout + 1)
         self._epoch = Epoch()
         key = self.options.get("auth_key")  # set by the Agent from configuration auth_key
