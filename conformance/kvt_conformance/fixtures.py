@@ -245,6 +245,25 @@ class BackendFixtures:
                 p.close()
 
     @pytest.fixture
+    def new_peer(self, target: Target):
+        """``new_peer(**option_overrides)``: a peer of the test's own, one it may
+        close or load next to ``peer``: a process (as ``spawn_peer``) when the
+        backend declares ``remote``, else another agent in this process.
+        Closed after the test."""
+        made: list[Any] = []
+
+        def make(**options: Any) -> PeerView:
+            made.append(peers.ProcessPeer(target, **options) if target.caps.remote
+                        else peers.LocalPeer(target, **options))
+            return PeerView(made[-1])
+
+        try:
+            yield make
+        finally:
+            for p in made:
+                p.close()
+
+    @pytest.fixture
     def far_buffer(self, where: str, backend: Backend, local_buffer, request: pytest.FixtureRequest):
         """``far_buffer(nbytes, kind, seed=None) -> (peer name or None, buffer)``:
         the other side of a transfer, in this agent (``where == "local"``) or

@@ -95,7 +95,7 @@ class PeerCore:
 
     COMMANDS = ("info", "metadata", "alloc", "free", "fill_blocks", "contents", "add_remote",
                 "remove_remote", "serve_metadata", "fetch_remote", "notify", "take_notifs",
-                "snapshot_on_notif", "deregister", "reregister", "start_spin", "spin_result")
+                "snapshot_on_notif", "deregister", "reregister", "start_spin", "spin_result", "close_backend")
 
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -141,6 +141,17 @@ class PeerCore:
             self._bufs[key] = (buf, None)
             if scribble:
                 buf.fill_byte(0xFF)
+
+    def close_backend(self, scribble: bool = False) -> None:
+        """Close the backend (buffers stay allocated, and readable with
+        ``contents``).  With ``scribble``, overwrite every buffer with 0xFF the
+        instant ``close`` returns: what a caller that freed them may put there
+        next."""
+        self.backend.close()
+        if scribble:
+            for buf, _ in self._bufs.values():
+                buf.fill_byte(0xFF)
+        self._bufs = {key: (buf, None) for key, (buf, _) in self._bufs.items()}
 
     def reregister(self, key: str, nbytes: int, offset: int = 0) -> None:
         """Register only ``nbytes`` from ``offset`` of buffer ``key`` instead of all of it."""

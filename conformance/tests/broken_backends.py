@@ -15,7 +15,7 @@ from kvt.errors import (InvalidArgument, InvalidDescriptor, PeerDisconnected, Re
                         UnsupportedOperation)
 from kvt.types import Descs, MemKind, Op, XferState, as_index
 from kvt.wire import decode
-from kvt_example.backend import _AGENTS, ExampleBackend, ExampleMetadata, _copy, _Job, _rows
+from kvt_example.backend import _AGENTS, _AGENTS_LOCK, ExampleBackend, ExampleMetadata, _copy, _Job, _rows
 
 #: seconds the early-DONE double lets the bytes lag behind its DONE
 LAG = 0.02
@@ -309,6 +309,186 @@ class BrokenAcceptsAnyOption(ExampleBackend):
         pass
 
 
+class BrokenCloseNoDrain(ExampleBackend):
+    """Test double: ``close`` does not wait for peers' copies into or out of
+    its memory, as ``deregister`` does (the example's own close, before it
+    was fixed): the caller frees the memory while a peer still copies it."""
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        for job in list(self._xfers.values()):
+            job.finish(XferState.err(TransferError("backend closed")))
+        self._worker.shutdown(wait=True)
+        with _AGENTS_LOCK:
+            if _AGENTS.get(self.agent_name) is self:
+                del _AGENTS[self.agent_name]
+        self._xfers.clear()
+        self._preps.clear()
+        self._regions.clear()
+        self._peers.clear()
+
+
+#: bytes of a row the truncating double moves; the rest is dropped (a staging buffer whose tail is forgotten)
+STAGE = 4 << 20
+
+
+class BrokenTruncatesLongRows(ExampleBackend):
+    """Test double: copies each row through a ``STAGE``-byte staging buffer
+    and silently drops the rest of a longer row; the transfer ends DONE."""
+
+    def _run(self, job):
+        job.lrows, job.rrows = job.lrows.copy(), job.rrows.copy()
+        job.lrows[:, 1] = np.minimum(job.lrows[:, 1], STAGE)
+        job.rrows[:, 1] = np.minimum(job.rrows[:, 1], STAGE)
+        super()._run(job)
+
+
+class BrokenTransferAfterRemove(ExampleBackend):
+    """Test double: ``transfer`` does not check that a remote prep's peer is
+    still loaded: a prep made before ``remove_remote`` still moves bytes."""
+
+    def transfer(self, op, local_prep, local_idx, remote_prep, remote_idx, notif=None):
+        self._check_open()
+        op = self._check_op(op, notif)
+        (lpeer, ldescs), (rpeer, rdescs) = self._preps[local_prep], self._preps[remote_prep]
+        if lpeer is not None:
+            raise InvalidArgument("local_prep must describe this agent's memory")
+        lrows, rrows = self._pair(ldescs, local_idx, rdescs, remote_idx)
+        job = _Job(op, lrows, rrows, rpeer, None if notif is None else bytes(notif))
+        h = self._next_id()
+        self._xfers[h] = job
+        job.future = self._worker.submit(self._run, job)
+        return h
+
+
+class BrokenRemoveKeepsInFlight(ExampleBackend):
+    """Test double: ``remove_remote`` forgets the peer but lets its
+    transfers in flight run on to DONE."""
+
+    def remove_remote(self, peer):
+        self._check_open()
+        self._peers.remove(peer)
+
+
+class BrokenDupAttachedNotif(ExampleBackend):
+    """Test double: a transfer with a peer delivers its notification twice
+    (a retransmit nobody de-duplicates); local transfers are correct."""
+
+    def _run(self, job):
+        super()._run(job)
+        if job.peer is not None and job.notif is not None and job.state.done:
+            target = _AGENTS.get(job.peer)
+            if target is not None:
+                target._inbox.deliver(self.agent_name, job.notif)
+
+
+class BrokenNotifToLastPeer(ExampleBackend):
+    """Test double: a transfer's notification goes to the peer loaded last
+    with ``add_remote``, not to the transfer's target."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._last_peer = None
+
+    def add_remote(self, metadata):
+        self._last_peer = super().add_remote(metadata)
+        return self._last_peer
+
+    def _run(self, job):
+        notif, job.notif = job.notif, None
+        super()._run(job)
+        if notif is not None and job.state.done:
+            to = self if job.peer is None else _AGENTS.get(self._last_peer)
+            if to is not None:
+                to._inbox.deliver(self.agent_name, notif)
+
+
+class BrokenNotifyNoSizeCheck(ExampleBackend):
+    """Test double: ``notify`` sends a message longer than ``max_notif_bytes``."""
+
+    def notify(self, peer, msg):
+        self._check_open()
+        if not isinstance(msg, (bytes, bytearray, memoryview)):
+            raise InvalidArgument("notification must be bytes")
+        self._peers[peer]
+        target = _AGENTS.get(peer)
+        if target is None or target._closed:
+            raise PeerDisconnected(f"peer {peer!r} is gone")
+        target._inbox.deliver(self.agent_name, bytes(msg))
+
+
+class BrokenNotifyNoTypeCheck(ExampleBackend):
+    """Test double: ``notify`` checks the size of a message but not that it
+    is bytes: a ``TypeError`` escapes for text or None."""
+
+    def notify(self, peer, msg):
+        self._check_open()
+        if len(msg) > self.capabilities.max_notif_bytes:
+            raise InvalidArgument("notification too long")
+        self._peers[peer]
+        target = _AGENTS.get(peer)
+        if target is None or target._closed:
+            raise PeerDisconnected(f"peer {peer!r} is gone")
+        target._inbox.deliver(self.agent_name, bytes(msg))
+
+
+class BrokenReleasePrepEndsTransfers(ExampleBackend):
+    """Test double: releasing a prep handle ends the transfers posted from
+    it in ERR (as if the native list they still use were freed)."""
+
+    def transfer(self, op, local_prep, local_idx, remote_prep, remote_idx, notif=None):
+        h = super().transfer(op, local_prep, local_idx, remote_prep, remote_idx, notif)
+        self._xfers[h].preps = (local_prep, remote_prep)
+        return h
+
+    def release(self, handle):
+        if handle in self._preps:
+            for job in list(self._xfers.values()):
+                if handle in getattr(job, "preps", ()):
+                    job.finish(XferState.err(TransferError("its prep was released")))
+        super().release(handle)
+
+
+class BrokenLeaksWorkerOnClose(ExampleBackend):
+    """Test double: ``close`` never stops its worker thread (a native handle
+    registry keeps it): one thread leaked per closed backend."""
+
+    _registry: list = []
+
+    def close(self):
+        if self._closed:
+            return
+        self._registry.append(self._worker)  # never shut down
+        self._worker = _NoShutdown()
+        super().close()
+
+
+class _NoShutdown:
+    def shutdown(self, wait=True):
+        pass
+
+
+try:
+    from kvt_host.backend import HostBackend
+except ImportError:  # the host plugin is not installed: its double is left out
+    HostBackend = None
+
+if HostBackend is not None:
+    class BrokenHostBlockingCheckState(HostBackend):
+        """Test double of the host backend (a peer in another process, which
+        the example's doubles cannot have): ``check_state`` waits for the
+        transfer to settle, up to ``timeout``, instead of polling."""
+
+        def check_state(self, handle):
+            self.wait(handle, self.timeout)
+            return super().check_state(handle)
+
+
+#: variants run with the suites' own timeouts, not the short ones the example's doubles get
+OWN_TIMEOUTS = {"BrokenHostBlockingCheckState"}
+
 #: the suites a variant runs, where not every suite: each double made for one contract runs the suites
 #: that test it and those it must still pass (running all of them again mostly re-tests the example)
 SUITES = {
@@ -323,6 +503,17 @@ SUITES = {
     "BrokenEmptyPeerName": ("TransferTests", "MetadataTests"),
     "BrokenReaddDropsPeer": ("TransferTests", "MetadataTests"),
     "BrokenAcceptsAnyOption": ("ErrorTests",),
+    "BrokenCloseNoDrain": ("RegistrationTests", "OwnerCheckTests"),
+    "BrokenTruncatesLongRows": ("TransferTests",),
+    "BrokenTransferAfterRemove": ("MetadataTests",),
+    "BrokenRemoveKeepsInFlight": ("MetadataTests", "FaultTests"),
+    "BrokenDupAttachedNotif": ("NotificationTests",),
+    "BrokenNotifToLastPeer": ("NotificationTests",),
+    "BrokenNotifyNoSizeCheck": ("NotificationTests", "ErrorTests"),
+    "BrokenNotifyNoTypeCheck": ("NotificationTests", "ErrorTests"),
+    "BrokenReleasePrepEndsTransfers": ("DescriptorTests", "CompletionTests"),
+    "BrokenLeaksWorkerOnClose": ("ConcurrencyTests", "ErrorTests"),
+    "BrokenHostBlockingCheckState": ("FaultTests",),
 }
 
 #: the unbroken backend first: the control every variant is compared with
@@ -330,4 +521,9 @@ VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDon
             BrokenNoBoundsCheck, BrokenEarlyNotif, BrokenCrossHost, BrokenDropsNotifs, BrokenDeregisterNoDrain,
             BrokenReleaseReturnsEarly, BrokenNotifAfterFirstRequest, BrokenRangeArithmetic,
             BrokenOwnerChecksStartsOnly, BrokenPeerOnlyNoPairCheck, BrokenMetadataLeaksValueError,
-            BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenReaddDropsPeer, BrokenAcceptsAnyOption)
+            BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenReaddDropsPeer, BrokenAcceptsAnyOption,
+            BrokenCloseNoDrain, BrokenTruncatesLongRows, BrokenTransferAfterRemove, BrokenRemoveKeepsInFlight,
+            BrokenDupAttachedNotif, BrokenNotifToLastPeer, BrokenNotifyNoSizeCheck, BrokenNotifyNoTypeCheck,
+            BrokenReleasePrepEndsTransfers, BrokenLeaksWorkerOnClose)
+if HostBackend is not None:
+    VARIANTS += (BrokenHostBlockingCheckState,)

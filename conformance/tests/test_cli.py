@@ -59,3 +59,10 @@ def test_extra_pytest_args():
     assert r.returncode == 0, r.stdout + r.stderr
     total = next(line.split() for line in r.stdout.splitlines() if line.strip().startswith("total"))
     assert total == ["total", "0", "0", "0"]  # collected, not run
+
+
+def test_no_test_run_is_a_failure():
+    """A -k that matches nothing runs zero tests: that proves nothing, so it fails, saying why."""
+    r = run_kvt("example", "-q", "-k", "no_such_test")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "no test ran" in r.stderr and "'no_such_test'" in r.stderr, r.stderr

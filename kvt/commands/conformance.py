@@ -4,7 +4,8 @@ backend and print a table, capability area x passed / failed / skipped.
 It runs ``pytest --pyargs kvt_conformance --kvt-backend=NAME`` in a
 subprocess (the suite is the separate ``kvt-conformance`` distribution) and
 reads the plugin's JSON report.  ``--junit-xml FILE`` and ``--json FILE``
-keep the reports.  Exit code 0 when nothing failed, 1 otherwise.
+keep the reports.  Exit code 0 when nothing failed, 1 otherwise, and 1
+when no test ran at all (``-k`` matched nothing).
 
 Every backend instance gets the option ``timeout=10`` (seconds: how long a
 dead peer may leave a transfer PROC) unless ``-o timeout=S`` says otherwise;
@@ -36,6 +37,8 @@ from ..config import load_config
 from ..errors import BackendUnavailable, InvalidArgument, KvtError, KvtTimeoutError
 from . import check_seconds, check_writable, parse_option
 
+#: pytest's exit code when no test was collected (a -k that matched nothing)
+_NO_TESTS = 5
 #: the longest --timeout: the whole run gets 20 times it, and that must stay a valid wait
 _MAX_TIMEOUT = 1e6
 
@@ -50,7 +53,7 @@ def register(subparsers: Any) -> None:
         "conformance", help="run the conformance suite against a backend",
         description="Run the conformance suite (pytest --pyargs kvt_conformance) against an installed backend "
                     "and print a table: capability area x passed / failed / skipped. Exit code 0 when "
-                    "nothing failed.")
+                    "nothing failed; 1 when a test failed or none ran (-k matched nothing).")
     p.add_argument("name", metavar="NAME", help="backend to test (see `kvt backends`)")
     p.add_argument("-o", "--option", metavar="KEY=VALUE", action="append", default=[], dest="options",
                    help="backend option for every instance; VALUE is parsed as JSON when it can be "
@@ -122,8 +125,13 @@ def run(args: argparse.Namespace) -> int:
                            f"(command: {' '.join(cmd)})")
         data = json.loads(report.read_text())
     render(data, Console())
+    if proc.returncode == _NO_TESTS:
+        print(f"kvt conformance: no test ran: nothing matched{f' -k {args.keyword!r}' if args.keyword else ''}; "
+              "a run that tests nothing proves nothing, so it fails (see the test names with "
+              "--pytest-args=--collect-only)", file=sys.stderr)
+        return 1
     failed = sum(a["failed"] for a in data["areas"].values())
-    return 0 if failed == 0 and proc.returncode in (0, 5) else 1
+    return 0 if failed == 0 and proc.returncode == 0 else 1
 
 
 def _header(backend: dict[str, Any]) -> Text:

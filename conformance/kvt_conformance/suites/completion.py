@@ -12,7 +12,7 @@ from kvt.errors import InvalidHandle, KvtTimeoutError
 from kvt.types import MemKind, Op, Status
 
 from ..buffers import Buffer
-from ..fixtures import BackendFixtures, expect_done
+from ..fixtures import BackendFixtures, expect_done, settle
 from ..requirements import requires
 from ._common import (CONTRACT_REPEATS, SLOW_BLOCK, SLOW_BYTES, assert_bytes, contract_setup, contract_source,
                       destination, expected, moved, scattered, seeds)
@@ -113,6 +113,29 @@ class CompletionTests(BackendFixtures):
                          f"repetition {rep}: {op.value} destination after release returned and a later transfer "
                          "with the same peer completed (bytes of the released transfer landed after release "
                          "returned: wait for or cancel it before returning)")
+
+    def test_releasing_preps_leaves_their_transfers_alone(self, backend, local_buffer, far_buffer, op, where,
+                                                          wait_for):
+        """Releasing a prep handle forgets the list; transfers already posted
+        from it are unaffected (docs/plugin-guide.md, "release"): both preps
+        of a transfer of 8 MiB in 16,384 rows are released the moment it is
+        posted, and it must still end DONE with every byte moved.  Three
+        times, with new preps each."""
+        ns, fs = seeds(op)
+        near, (peer, far) = local_buffer(SLOW_BYTES, seed=ns), far_buffer(SLOW_BYTES, seed=fs)
+        every = np.arange(SLOW_BYTES // SLOW_BLOCK)
+        want = expected(op, SLOW_BYTES, SLOW_BLOCK, every, every[::-1])
+        dst = destination(op, near, far)
+        for rep in range(3):
+            lp, rp = backend.prep(None, near.blocks(SLOW_BLOCK, every)), backend.prep(peer, far.blocks(SLOW_BLOCK, every[::-1]))
+            handle = backend.transfer(op, lp, None, rp, None)
+            backend.release(lp)
+            backend.release(rp)
+            state = settle(backend, handle, wait_for)
+            assert state.done, (f"repetition {rep}: a {op.value} whose preps were released right after it was posted "
+                                f"ended {state!r}; releasing a prep must not affect transfers posted from it")
+            backend.release(handle)
+            assert_bytes(dst.read(), want, f"repetition {rep}: {op.value} destination after its preps were released")
 
     @requires("local", "READ")
     def test_handles_are_distinct(self, backend, local_buffer, wait_for):

@@ -1,13 +1,19 @@
 """Concurrency: many transfers in flight at once, posted and polled from
 several threads, notifications from several threads, registration churn
-while transfers run."""
+while transfers run; backends created, used and closed one after another
+leave no thread or file descriptor behind."""
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 from typing import Callable
 
 import numpy as np
+import pytest
+from kvt.agent import poll_until
+from kvt.errors import KvtTimeoutError
 from kvt.types import Op
 
 from ..buffers import Buffer, pattern
@@ -16,6 +22,14 @@ from ..requirements import requires
 from ._common import assert_bytes, destination, expected, seeds
 
 THREADS = 4
+#: backends created, used and closed by the leak test (after one to warm up), and the threads and
+#: file descriptors it tolerates beyond its starting counts (things another thread of the process started)
+LEAK_CYCLES, LEAK_SLACK = 6, 2
+
+
+def _resources() -> tuple[int, int]:
+    """(threads, open file descriptors) of this process."""
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
 
 
 def run_threads(fn: Callable[[int], None], n: int, timeout: float) -> None:
@@ -144,3 +158,54 @@ class ConcurrencyTests(BackendFixtures):
 
         run_threads(lambda i: (churn if i == 0 else move)(i), 2, 2 * wait_for)
         assert_bytes(dst.read(), src.read().reshape(32, self.block)[::-1])
+
+    def test_closed_backends_leave_no_thread_or_fd_behind(self, target, peer, wait_for):
+        """``close`` releases everything: backends created, used (a
+        registration, a transfer with the peer and, where declared, a local
+        one and a notification) and closed one after another, six of them,
+        leave this process with as many threads and open file descriptors as
+        before (two of each spare, for things another thread starts
+        meanwhile).  A first backend warms up what a backend library starts
+        once per process."""
+        if not os.path.isdir("/proc/self/task"):
+            pytest.skip("counts threads and file descriptors in /proc/self (Linux)")
+        caps = target.caps
+        op = min(caps.ops, key=lambda o: o.value)
+        far = peer.alloc(self.block * 4, seed=6)
+
+        def cycle() -> None:
+            b = target.create()
+            try:
+                near = Buffer(self.block * 4)
+                b.register(near.region())
+                lp = b.prep(None, near.blocks(self.block, range(4)))
+                name = b.add_remote(peer.metadata())
+                expect_done(b, b.transfer(op, lp, [0, 1], b.prep(name, far.blocks(self.block, range(4))), [0, 1]),
+                            wait_for)
+                if caps.local:
+                    expect_done(b, b.transfer(op, lp, [2], lp, [3]), wait_for)
+                if caps.notifications:
+                    b.notify(name, b"bye")
+            finally:
+                b.close()
+
+        cycle()
+        gc.collect()
+        start = _resources()
+        for _ in range(LEAK_CYCLES):
+            cycle()
+        now = start
+
+        def back() -> bool:
+            nonlocal now
+            gc.collect()
+            now = _resources()
+            return now[0] <= start[0] + LEAK_SLACK and now[1] <= start[1] + LEAK_SLACK
+
+        try:
+            poll_until(back, wait_for, "threads and file descriptors to be released")
+        except KvtTimeoutError:
+            pytest.fail(f"after {LEAK_CYCLES} backends were created, used and closed, this process has "
+                        f"{now[0]} threads and {now[1]} open file descriptors, {now[0] - start[0]:+d} and "
+                        f"{now[1] - start[1]:+d} since before them ({wait_for:g}s later): close must stop every "
+                        "thread and close every descriptor the backend opened")

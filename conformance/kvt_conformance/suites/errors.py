@@ -103,6 +103,14 @@ BAD_PEER_CALLS: dict[str, tuple[Callable[[PeerSetup], Any], Any]] = {
         _op(s.backend), s.lp, [0], s.rp, [0], notif=bytes(s.backend.capabilities.max_notif_bytes + 1)), _notif_error),
 }
 
+# bad messages for ``notify`` to a loaded peer (name -> message, expected error)
+BAD_NOTIFY_CALLS: dict[str, tuple[Callable[[Any], Any], Any]] = {
+    "too-large": (lambda b: bytes(b.capabilities.max_notif_bytes + 1), _notif_error),
+    "text": (lambda b: "text", _notif_error),
+    "none": (lambda b: None, _notif_error),
+    "int": (lambda b: 7, _notif_error),
+}
+
 
 class ErrorTests(BackendFixtures):
     area = "errors"
@@ -152,6 +160,22 @@ class ErrorTests(BackendFixtures):
             call(s)
         assert_bytes(near.read(), pattern(1, BLOCK * N), "this agent's memory after the refused call (nothing may move)")
         assert_bytes(far.read(), pattern(2, BLOCK * N), "the peer's memory after the refused call (nothing may move)")
+
+    @pytest.mark.parametrize("case", list(BAD_NOTIFY_CALLS))
+    def test_bad_notify_raises_its_kvt_error(self, backend, peer, case, wait_for):
+        """``notify`` of a message longer than ``max_notif_bytes``, or not
+        bytes: ``InvalidArgument`` (``UnsupportedOperation`` where
+        notifications are not declared), and nothing reaches the peer (a
+        marker sent next is the first message it gets)."""
+        name = backend.add_remote(peer.metadata())
+        make, error = BAD_NOTIFY_CALLS[case]
+        with pytest.raises(error(backend)):
+            backend.notify(name, make(backend))
+        if backend.capabilities.notifications:
+            backend.notify(name, b"marker")  # messages to one peer arrive in order: a sent refused one comes first
+            got = peer.take_notifs(backend.agent_name, 1, wait_for)
+            assert got == [b"marker"], (f"the peer's first message after a refused notify is {got!r:.80}, expected "
+                                        "the marker sent next: a refused notify must send nothing")
 
     def test_unknown_peer(self, backend, local_buffer):
         buf = local_buffer(1024)

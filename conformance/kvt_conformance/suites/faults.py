@@ -23,9 +23,11 @@ from kvt.types import Op
 from ..buffers import pattern
 from ..fixtures import BackendFixtures, expect_done, settle, settle_all
 from ..requirements import requires
-from ._common import assert_bytes
+from ._common import SLOW_BLOCK, SLOW_BYTES, assert_bytes
 
 BLOCK, N = 4096, 64
+#: transfers queued to an in-process peer when it is removed
+QUEUED = 4
 
 
 class FaultTests(BackendFixtures):
@@ -120,6 +122,39 @@ class FaultTests(BackendFixtures):
         expect_done(backend, posted[0], wait_for)
         assert_bytes(near.read(), vbuf.read())
 
+    @requires("remote")
+    def test_check_state_returns_while_peer_frozen(self, make_backend, local_buffer, spawn_peer, target, wait_for):
+        """``check_state`` is a poll: it never blocks long, even while the
+        peer does not answer.  With the peer stopped (both sides on the
+        backend's ``cross_host_options``, so the transfer really waits for
+        it), every ``check_state`` over a second must return within a
+        quarter of the backend's ``timeout``; one that waits for the
+        transfer to settle takes the whole timeout."""
+        op, opts = self._ops(target)[0], dict(target.caps.cross_host_options)
+        backend = make_backend(timeout=self.fault_timeout, **opts)
+        victim = spawn_peer(timeout=self.fault_timeout, **opts)
+        vbuf, vname = victim.alloc(BLOCK * N, seed=7), backend.add_remote(victim.metadata())
+        near = local_buffer(BLOCK * N, seed=8, owner=backend)
+        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
+        bound, calls, slowest = self.fault_timeout / 4, 0, 0.0
+        victim.stop()
+        try:
+            handle = backend.transfer(op, lp, None, rp, None)
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                start = time.monotonic()
+                state = backend.check_state(handle)
+                slowest, calls = max(slowest, time.monotonic() - start), calls + 1
+                if not state.pending:
+                    break
+                time.sleep(0.01)
+        finally:
+            victim.resume()
+        assert slowest < bound, (
+            f"a check_state took {slowest:.2f}s while the peer was stopped (the backend's timeout is "
+            f"{self.fault_timeout:g}s; {calls} calls): check_state polls, it never waits for the transfer")
+        settle(backend, handle, wait_for)  # and the transfer still ends
+
     @requires("remote", "READ", "stops_on_err")
     def test_remote_read_ended_in_err_writes_nothing_later(self, make_backend, local_buffer, spawn_peer, target,
                                                           wait_for):
@@ -188,21 +223,61 @@ class FaultTests(BackendFixtures):
             time.sleep(0.1)
         return near, vbuf
 
-    @requires("remote")
-    def test_remove_remote_ends_in_flight_transfers(self, backend, local_buffer, spawn_peer, target, wait_for):
-        victim, vbuf, vname = self._victim(backend, spawn_peer)
-        near = local_buffer(BLOCK * N)
+    def test_remove_remote_ends_in_flight_transfers(self, backend, make_backend, local_buffer, spawn_peer, target,
+                                                    request, wait_for):
+        """``remove_remote`` forgets a peer and its in-flight transfers end in
+        ERR (with a ``TransferError`` cause), even if the peer would answer
+        them next.  With ``remote``: a peer process is stopped (both sides on
+        the backend's ``cross_host_options``, so nothing moves meanwhile), a
+        transfer posted, the peer removed and then resumed: the transfer must
+        end ERR, not complete now that the peer answers.  Without: transfers
+        of 8 MiB in 16,384 rows are queued to an in-process peer and it is
+        removed while the last is still PROC: that one must end ERR."""
+        op = self._ops(target)[0]
+        if not target.caps.remote:
+            self._remove_local_peer_with_transfers_queued(backend, local_buffer, request.getfixturevalue("peer"),
+                                                          op, wait_for)
+            return
+        read, opts = op is Op.READ, dict(target.caps.cross_host_options)
+        backend = make_backend(timeout=self.fault_timeout, **opts)
+        victim = spawn_peer(timeout=self.fault_timeout, **opts)
+        vbuf, vname = victim.alloc(BLOCK * N, seed=7 if read else None), backend.add_remote(victim.metadata())
+        near = local_buffer(BLOCK * N, seed=None if read else 7, owner=backend)
         lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
         victim.stop()
         try:
-            h = backend.transfer(self._ops(target)[0], lp, None, rp, None)
+            handle = backend.transfer(op, lp, None, rp, None)
+            if backend.check_state(handle).done:
+                pytest.skip(f"the {op.value} completed with the peer stopped, even with {opts}: nothing was in flight")
             backend.remove_remote(vname)
-            state = settle(backend, h, wait_for)
         finally:
             victim.resume()
-        assert state.failed or state.done, state
-        if state.failed:
-            assert isinstance(state.cause, TransferError)
+        state = settle(backend, handle, wait_for)
+        assert state.failed, (
+            f"a {op.value} in flight to a peer when remove_remote forgot it ended {state!r} once the peer ran again; "
+            "remove_remote ends the peer's in-flight transfers in ERR")
+        assert isinstance(state.cause, TransferError), f"ERR cause {state.cause!r} is not a TransferError"
+
+    def _remove_local_peer_with_transfers_queued(self, backend, local_buffer, peer, op, wait_for):
+        near = local_buffer(SLOW_BYTES, seed=None if op is Op.READ else 7)
+        far = peer.alloc(SLOW_BYTES, seed=7 if op is Op.READ else None)
+        name = backend.add_remote(peer.metadata())
+        ids = np.arange(SLOW_BYTES // SLOW_BLOCK)
+        lp, rp = backend.prep(None, near.blocks(SLOW_BLOCK, ids)), backend.prep(name, far.blocks(SLOW_BLOCK, ids))
+        handles = [backend.transfer(op, lp, None, rp, None) for _ in range(QUEUED)]
+        last_pending = backend.check_state(handles[-1]).pending
+        backend.remove_remote(name)
+        if not last_pending:
+            pytest.skip(f"{QUEUED} transfers of {SLOW_BYTES} bytes were all over before remove_remote: "
+                        "nothing was in flight")
+        states = settle_all(backend, handles, wait_for)
+        for i, state in enumerate(states):
+            if state.failed:
+                assert isinstance(state.cause, TransferError), f"transfer {i}: ERR cause {state.cause!r} is not a " \
+                                                               "TransferError"
+        assert states[-1].failed, (
+            f"the last of {QUEUED} {op.value}s queued to a peer, still PROC when remove_remote forgot the peer, "
+            f"ended {states[-1]!r}; remove_remote ends the peer's in-flight transfers in ERR")
 
     @requires("remote")
     def test_transfer_to_exited_peer(self, backend, local_buffer, spawn_peer, peer, target, wait_for):

@@ -22,6 +22,8 @@ from ..peer import PeerFailure
 from ..requirements import requires
 from ._common import assert_bytes
 
+#: bytes of the buffers of the remove_remote tests
+BLOCK_SIZE = 4096
 #: where a peer maps the memory a restart test prepares (far from where Linux puts a process's own)
 _FIXED = 0x2F0000000000
 
@@ -281,6 +283,34 @@ class MetadataTests(BackendFixtures):
             backend.remove_remote(name)
         assert backend.add_remote(peer.metadata()) == name
         backend.prep(name, buf.blocks(256, [0]))
+
+    def test_a_prep_from_before_remove_remote_moves_nothing(self, backend, local_buffer, peer, op, wait_for):
+        """A remote prep made before ``remove_remote`` names a peer that is no
+        longer loaded: a transfer with it is the unknown peer's typed error
+        before any byte moves (``transfer`` raises a kvt error, ``UnknownPeer``
+        at best, or the transfer ends ERR), never DONE, nothing copied either
+        way."""
+        near = local_buffer(BLOCK_SIZE, seed=51 if op is Op.WRITE else None)
+        far = peer.alloc(BLOCK_SIZE, seed=52 if op is Op.READ else None)
+        before_near, before_far = near.read(), far.read()
+        name = backend.add_remote(peer.metadata())
+        lp, rp = backend.prep(None, near.blocks(256, range(BLOCK_SIZE // 256))), \
+            backend.prep(name, far.blocks(256, range(BLOCK_SIZE // 256)))
+        backend.remove_remote(name)
+        try:
+            handle = backend.transfer(op, lp, None, rp, None)
+        except KvtError:
+            handle = None
+        if handle is not None:
+            state = settle(backend, handle, wait_for)
+            assert state.failed, (
+                f"a {op.value} with a prep of peer {name!r} made before remove_remote({name!r}) ended {state!r}; "
+                "a peer no longer loaded is unknown: raise UnknownPeer from transfer (or end it ERR) before any "
+                "byte moves")
+            assert isinstance(state.cause, TransferError), f"ERR cause {state.cause!r} is not a TransferError"
+        assert_bytes(near.read(), before_near, "this agent's memory after a transfer with a removed peer "
+                     "(nothing may move)")
+        assert_bytes(far.read(), before_far, "the removed peer's memory after a transfer with it (nothing may move)")
 
     def test_empty_peer_name_is_refused(self, backend, peer):
         """Metadata naming its agent ``""`` (every top-level field that held

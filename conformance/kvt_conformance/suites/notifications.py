@@ -38,6 +38,42 @@ def collect(backend, sender: str, count: int, timeout: float, polling=None) -> l
     return got
 
 
+#: transfers of the exactly-once test, each with its own notification
+ONCE = 8
+_markers = iter(range(1 << 62))
+
+
+def _until_marker(backend, peer, name: str, wait_for: float) -> list[bytes]:
+    """Send ``peer`` (agent ``name``) a marker and return every message from
+    ``backend`` it received before the marker (messages to one peer arrive in
+    the order sent: the marker ends what could have arrived before it)."""
+    marker = b"marker-%d" % next(_markers)
+    backend.notify(name, marker)
+    seen: list[bytes] = []
+    while marker not in seen:
+        got = peer.take_notifs(backend.agent_name, 1, wait_for)
+        assert got, f"the marker notification never arrived at {name!r} (got {seen!r:.200} before it)"
+        seen += got
+    return seen[:seen.index(marker)]
+
+
+def _arrive_exactly_once(backend, peer, name: str, msgs: list[bytes], wait_for: float, what: str) -> None:
+    """Every message of ``msgs`` from ``backend`` arrives at ``peer``, each
+    once: wait until all did, then collect up to a marker; none twice, none
+    other."""
+    seen: list[bytes] = []
+    while not set(msgs) <= set(seen):
+        got = peer.take_notifs(backend.agent_name, 1, wait_for)
+        assert got, (f"{what}: {sorted(set(msgs) - set(seen))!r:.200} never reached {name!r}, the target "
+                     f"(it got {seen!r:.200})")
+        seen += got
+    seen += _until_marker(backend, peer, name, wait_for)
+    twice = sorted({m for m in seen if seen.count(m) > 1})
+    assert not twice, f"{what}: {twice!r:.200} reached {name!r} more than once; deliver each exactly once"
+    other = [m for m in seen if m not in msgs]
+    assert not other, f"{what}: {name!r} also received {other!r:.200}, which nobody sent it"
+
+
 @requires("notifications")
 class NotificationTests(BackendFixtures):
     area = "notifications"
@@ -130,6 +166,49 @@ class NotificationTests(BackendFixtures):
         snapshot = dst.read()  # first thing after the notification
         assert got == [b"local-done"]
         assert_bytes(snapshot, src.read(), "destination when the notification arrived")
+
+    def test_attached_notif_arrives_exactly_once_at_its_target(self, backend, local_buffer, peer, op, wait_for):
+        """Eight transfers with the peer, each with its own notification:
+        each arrives at the peer exactly once (once all have, a marker sent
+        after them ends what could still come: no copy may arrive before it),
+        and none at this agent, the initiator."""
+        near = local_buffer(self.block * ONCE, seed=34 if op is Op.WRITE else None)
+        far = peer.alloc(self.block * ONCE, seed=35 if op is Op.READ else None)
+        name = backend.add_remote(peer.metadata())
+        ids = np.arange(ONCE)
+        lp, rp = backend.prep(None, near.blocks(self.block, ids)), backend.prep(name, far.blocks(self.block, ids))
+        msgs = [b"once-%d" % i for i in range(ONCE)]
+        handles = [backend.transfer(op, lp, [i], rp, [i], notif=m) for i, m in enumerate(msgs)]
+        for h in handles:
+            expect_done(backend, h, wait_for)
+        _arrive_exactly_once(backend, peer, name, msgs, wait_for, f"notifications attached to {op.value}s")
+        mine = [m for ms in backend.get_notifs().values() for m in ms if m in msgs]
+        assert not mine, (f"this agent, the initiator, received {mine!r}: a transfer's notification goes to the "
+                          "target (the peer), only there")
+
+    def test_attached_notif_reaches_its_target_among_two_peers(self, backend, local_buffer, peer, new_peer, op,
+                                                               wait_for):
+        """Two peers loaded, one after the other; a transfer with each, with a
+        notification: it arrives exactly once at the transfer's target, and
+        not at all at the other peer (a marker sent to each afterwards ends
+        what could still come), whichever of the two was loaded last."""
+        other = new_peer()
+        near = local_buffer(self.block * 2, seed=36 if op is Op.WRITE else None)
+        lp = backend.prep(None, near.blocks(self.block, [0, 1]))
+        fars = [p.alloc(self.block, seed=37 if op is Op.READ else None) for p in (peer, other)]
+        names = [backend.add_remote(p.metadata()) for p in (peer, other)]  # the other peer is loaded last
+        rps = [backend.prep(n, f.blocks(self.block, [0])) for n, f in zip(names, fars)]
+        pair = ((peer, names[0], rps[0]), (other, names[1], rps[1]))
+        for i, (to, to_name, rp) in enumerate(pair):
+            (bystander, by_name, _) = pair[1 - i]
+            msg = b"for-%s" % to_name.encode()
+            expect_done(backend, backend.transfer(op, lp, [i], rp, [0], notif=msg), wait_for)
+            which = "first" if i == 0 else "last"
+            _arrive_exactly_once(backend, to, to_name, [msg], wait_for,
+                                 f"the notification of a {op.value} with the peer loaded {which}")
+            stray = _until_marker(backend, bystander, by_name, wait_for)
+            assert not stray, (f"peer {by_name!r} received {stray!r} though the {op.value} was with {to_name!r}: "
+                               "a transfer's notification goes to its target only")
 
     # -- the contract, seen deterministically: many scattered blocks, several MiB,
     # -- a receiver spinning on get_notifs, every byte checked at that instant, repeated

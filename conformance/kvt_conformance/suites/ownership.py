@@ -8,6 +8,7 @@ longer registered."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,10 @@ from ._common import SLOW_BLOCK, SLOW_BYTES, assert_bytes
 OWNER_CHECKS = ("server", "transport")
 #: times the owner deregisters memory a stream of transfers is using
 DEREGISTER_REPEATS = 6
+#: times an owner (a new peer each) closes while a stream of transfers uses its memory
+CLOSE_REPEATS = 4
+#: seconds between the owner's close and removing it, for late bytes to land
+CLOSE_GRACE = 0.25
 
 
 def _assert_refused(backend, op: Op, lp, rp, wait_for, what: str, check: str) -> None:
@@ -149,6 +154,46 @@ class OwnerCheckTests(BackendFixtures):
                     f"repetition {rep}: {late.size} bytes READ into this agent are neither the peer's data nor "
                     f"untouched, first at offset {late[0]}: a READ still read the peer's memory after its "
                     "deregister had returned (wait for the requests using it)")
+
+    def test_close_waits_for_requests_in_flight(self, backend, local_buffer, new_peer, target, op, wait_for):
+        """``close`` is ``deregister`` for every registration: with
+        ``owner_check="server"`` it returns only once no peer's request
+        touches the memory.  As above, but the owner (a peer of this test's
+        own, a new one each repetition) closes its backend instead, and
+        overwrites the memory the instant ``close`` returns: no WRITE may
+        land on the overwrite, and no READ may bring it back."""
+        if target.caps.owner_check != "server":
+            pytest.skip(f"owner_check is {target.caps.owner_check!r}; only 'server' backends promise that "
+                        "close waits for peers' requests")
+        ids = np.arange(SLOW_BYTES // SLOW_BLOCK)
+        for rep in range(CLOSE_REPEATS):
+            owner = new_peer()
+            near = local_buffer(SLOW_BYTES, seed=4100 + rep if op is Op.WRITE else None)
+            far = owner.alloc(SLOW_BYTES, seed=4100 + rep if op is Op.READ else None)
+            src = (near if op is Op.WRITE else far).read()
+            name = backend.add_remote(owner.metadata())
+            lp, rp = backend.prep(None, near.blocks(SLOW_BLOCK, ids)), backend.prep(name, far.blocks(SLOW_BLOCK, ids))
+            busy = _Busy(backend, op, lp, rp, wait_for)
+            try:
+                busy.first.wait(wait_for)  # the owner is serving: close now
+                assert busy.settled, f"repetition {rep}: no {op.value} settled within {wait_for:g}s"
+                owner.close_backend(scribble=True)
+                time.sleep(CLOSE_GRACE)  # what a request served after close returned would land, lands now
+                backend.remove_remote(name)  # ends the rest at once: a closed owner may be noticed only at the timeout
+            finally:
+                busy.stop(wait_for)
+            if op is Op.WRITE:
+                assert_bytes(far.read(), np.full(SLOW_BYTES, 0xFF, np.uint8),
+                             f"repetition {rep}: the peer's memory, overwritten the instant its close returned "
+                             "(a WRITE landed after close had returned: wait for the requests using the memory, "
+                             "as deregister does)")
+            else:
+                got = near.read()
+                late = np.flatnonzero((got != src) & (got != 0))
+                assert not late.size, (
+                    f"repetition {rep}: {late.size} bytes READ into this agent are neither the peer's data nor "
+                    f"untouched, first at offset {late[0]}: a READ still read the peer's memory after its close "
+                    "had returned (wait for the requests using it, as deregister does)")
 
 
 class _Busy:

@@ -10,7 +10,15 @@ from kvt.types import Descs, MemKind, Op
 
 from ..fixtures import BackendFixtures, expect_done
 from ..requirements import requires
-from ._common import assert_bytes, destination, expected, seeds
+from ..buffers import pattern
+from ._common import FAR_SEED, NEAR_SEED, assert_bytes, destination, expected, seeds
+
+#: one row longer than any plausible chunk (staging buffer, request, segment), of odd length
+LONG_ROW = (64 << 20) + 4097
+#: untouched bytes before and after it
+GUARD = 4096
+#: bytes read back from a peer per command (its channel caps a message at 16 MiB)
+READ_CHUNK = 8 << 20
 
 
 class TransferTests(BackendFixtures):
@@ -89,6 +97,28 @@ class TransferTests(BackendFixtures):
         lp, rp = backend.prep(None, near.region()), backend.prep(peer, far.region())
         self._run(backend, op, lp, [0], rp, [0], wait_for)
         assert_bytes(destination(op, near, far).read(), expected(op, size, size, [0], [0]))
+
+    def test_row_longer_than_any_chunk(self, backend, local_buffer, far_buffer, op, where, wait_for):
+        """One row of ``LONG_ROW`` bytes (64 MiB and 4097: longer than any
+        staging buffer, request or chunk a backend might cut a row into, and
+        of odd length), a page into each buffer: every byte of it arrives, and
+        the page before and after it stays untouched.  A backend that drops
+        the tail of a long row must not report DONE."""
+        size = LONG_ROW + 2 * GUARD
+        ns, fs = seeds(op)
+        near, (peer, far) = local_buffer(size, MemKind.DRAM, ns), far_buffer(size, MemKind.DRAM, fs)
+        lp = backend.prep(None, Descs.from_regions(near.addr + GUARD, LONG_ROW, near.device))
+        rp = backend.prep(peer, Descs.from_regions(far.addr + GUARD, LONG_ROW, far.device))
+        self._run(backend, op, lp, [0], rp, [0], 2 * wait_for)
+        src_seed = FAR_SEED if op is Op.READ else NEAR_SEED
+        want = np.zeros(size, np.uint8)
+        want[GUARD:GUARD + LONG_ROW] = pattern(src_seed, size)[GUARD:GUARD + LONG_ROW]
+        dst = destination(op, near, far)
+        for start in range(0, size, READ_CHUNK):  # a peer answers in messages of bounded size
+            n = min(READ_CHUNK, size - start)
+            assert_bytes(dst.read(start, n), want[start:start + n],
+                         f"{op.value} destination bytes {start} to {start + n} (a row of {LONG_ROW} bytes from "
+                         f"offset {GUARD}; the rest must stay zero)")
 
     @requires("READ", "WRITE")
     def test_write_then_read_back(self, backend, local_buffer, far_buffer, where, wait_for):
