@@ -266,11 +266,14 @@ class NixlBackend(Backend):
                 raise WireError(f"metadata says agent {md.name!r} but its NIXL part belongs to {name!r}")
             name = md.name
             self._peers[name], self._blobs[name] = regions, md.nixl
-            self._watches[name] = watch = epoch_watch(md)
+            old, self._watches[name] = self._watches.get(name), epoch_watch(md)
+            watch = self._watches[name]
             self._retire(lambda p: p.peer == name)  # NIXL refuses lists prepped before a reload
             for p in self._preps.values():
                 if p.peer == name:
                     p.epoch = watch
+            if old is not None:  # its open of the peer's epoch page
+                old.close()
         return name
 
     def remove_remote(self, peer: str) -> None:
@@ -291,9 +294,14 @@ class NixlBackend(Backend):
         with self._lock:
             del self._peers[peer]
             self._blobs.pop(peer, None)
-            self._watches.pop(peer, None)
+            watch = self._watches.pop(peer, None)
             # first its lists (no transfer posts on them past this), then the transfers posted on them
             self._retire(lambda p: p.peer == peer)
+            if watch is not None:
+                for p in self._preps.values():
+                    if p.epoch is watch:
+                        p.epoch = None
+                watch.close()  # its open of the peer's epoch page (a post racing this: see _stale)
             with self._nixl:
                 xfers = [x for x in self._xfers.values() if x.__class__ is _Xfer and x.peer == peer]
             for x in xfers:
@@ -402,7 +410,7 @@ class NixlBackend(Backend):
         except (KeyError, TypeError):
             self._check_open()  # closed by another thread meanwhile
             raise InvalidHandle(f"no prepped list with handle {local_prep!r} or {remote_prep!r} (released?)") from None
-        if rp.epoch is not None and rp.epoch.stale:
+        if rp.epoch is not None and _stale(rp.epoch):
             raise RemoteRejected(f"peer {rp.peer!r} deregistered memory since its metadata was loaded; "
                                  "re-add its metadata (it may no longer offer these rows)")
         lside, rside = lp.side, rp.target
@@ -658,6 +666,9 @@ class NixlBackend(Backend):
                     pass
             self._preps.clear()
             self._regs.clear()
+            for w in self._watches.values():
+                if w is not None:
+                    w.close()
             self._watches.clear()
             self._epoch.close()
             self._regions.clear()
@@ -665,6 +676,13 @@ class NixlBackend(Backend):
             self._leaked.clear()
             # the last references: NIXL's destructor stops its threads
             self._agent = self._bind = self._make = self._post = self._status = self._free = None
+
+
+def _stale(watch: EpochWatch) -> bool:
+    try:
+        return watch.stale
+    except ValueError:  # closed meanwhile (the peer was dropped): the post fails on the unloaded peer
+        return False
 
 
 def _ucx_env(given: Mapping[str, Any]) -> dict[str, str]:
