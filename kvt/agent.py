@@ -675,6 +675,13 @@ class Agent:
     def notify(self, peer: str, msg: bytes) -> None:
         self.backend.notify(peer, msg if self._notif_seal is None else self._seal(peer, msg))
 
+    def notif_for(self, peer: str, msg: bytes) -> bytes:
+        """``msg`` as it must travel to ``peer`` when attached to a transfer
+        posted on ``self.backend`` directly: sealed when the agent has an
+        ``auth_key`` (the peer's agent drops unsealed notifications then),
+        as it is.  ``notify`` and ``read_blocks``/``write_blocks`` do this themselves."""
+        return msg if self._notif_seal is None else self._seal(peer, msg)
+
     def _seal(self, peer: str, msg: bytes) -> bytes:
         info = self._peers.get(peer)
         theirs = info.extra.get(_NOTIF_KEY) if info is not None else None

@@ -51,7 +51,7 @@ __all__ = ["Secret", "ClientSession", "ServerAuth", "NotifSeal", "MIN_KEY_CHARS"
 MIN_KEY_CHARS = 16  # a shorter shared secret is refused at configuration time
 _MAGIC = b"kvtA2"      # the channel protocol (v2: stateless challenges, SEALED carries cn)
 _OLD_MAGIC = b"kvtA1"  # the previous one: refused with a message saying so
-_NOTIF_MAGIC = b"kvtA1"  # NotifSeal's format, unchanged
+_NOTIF_MAGIC = b"kvtN2"  # NotifSeal's format (kvtA1 M before its key was derived: dropped, as forged)
 _HELLO, _CHALLENGE, _SEALED, _REPLY, _REFUSED = b"H", b"C", b"M", b"R", b"X"
 _NONCE, _TAG = 16, 32
 _COUNTER = struct.Struct("<Q")
@@ -295,7 +295,9 @@ class NotifSeal:
     _MAX_SENDERS = 4096
 
     def __init__(self, secret: Secret, me: str):
-        self._secret, self._me = secret, me
+        # a key of its own, derived from the whole auth_key as every other use's is (the MAC below
+        # keys BLAKE2b with at most 64 bytes: the raw key cut there ignored the rest of a long key)
+        self._key, self._me = hmac.new(secret._key, b"kvt-notif-key-v2", hashlib.sha256).digest(), me
         self.incarnation = os.urandom(_NONCE)  #: published to peers (``AgentInfo.extra``)
         self._nonce = os.urandom(_NONCE)
         self._next = iter(range(1, 1 << 63)).__next__  # atomic under the GIL
@@ -304,7 +306,7 @@ class NotifSeal:
     def _tag(self, sender: str, receiver: str, incarnation: bytes, nonce: bytes, counter: int, msg) -> bytes:
         s, r = sender.encode(), receiver.encode()
         head = _COUNTER.pack(len(s)) + s + _COUNTER.pack(len(r)) + r + incarnation + nonce
-        return _tag(self._secret._key, b"kvt-notif-v1" + head, counter, (msg,), None)
+        return _tag(self._key, b"kvt-notif-v2" + head, counter, (msg,), None)
 
     def seal(self, receiver: str, incarnation: bytes, msg: bytes) -> bytes:
         counter = self._next()

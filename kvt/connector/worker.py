@@ -80,6 +80,7 @@ class _Path:
     local_prep: PrepHandle
     remote: BlockLayout
     remote_prep: PrepHandle
+    peer: str  # the agent peer it reads from (its notification is sealed for it)
 
 
 @dataclass
@@ -465,7 +466,7 @@ class ConnectorWorker:
                 local, local_prep = self._local_prep(read.local)
                 rl = part_layout(remote[read.remote_rank], card.parts, read.remote)
                 preps.append(self.agent.backend.prep(peers[read.remote_rank], rl.descs()))
-                paths.append(_Path(local, local_prep, rl, preps[-1]))
+                paths.append(_Path(local, local_prep, rl, preps[-1], peers[read.remote_rank]))
         except Exception as e:  # whatever failed, the peers loaded so far go (they piled up otherwise)
             for h in preps:
                 self._quietly(self.agent.backend.release, h)
@@ -518,7 +519,8 @@ class ConnectorWorker:
             for path in remote.paths:
                 lidx = Agent.block_index(path.local, req.local_block_ids)
                 ridx = Agent.block_index(path.remote, src.block_ids)
-                h = self.agent.backend.transfer(Op.READ, path.local_prep, lidx, path.remote_prep, ridx, notif)
+                h = self.agent.backend.transfer(Op.READ, path.local_prep, lidx, path.remote_prep, ridx,
+                                                self.agent.notif_for(path.peer, notif))
                 self._live += 1
                 recv.transfers.append(Transfer(self.agent, h, int(lidx.size) * path.local.block_len))
             self._notify(remote.notify_only, notif)

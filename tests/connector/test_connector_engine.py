@@ -62,6 +62,18 @@ def test_mixed_lengths_and_many_blocks(backend):
     assert all(0 <= post <= landed for post, landed, _, _ in timings)
 
 
+def test_with_an_auth_key_readers_release_their_blocks(backend, monkeypatch):
+    """Keyed engines seal every notification; the reads' attached ones were
+    posted unsealed, so on nixl and ucx the prefill agent dropped them all
+    and held every request's blocks for its whole lease (480 s by default)."""
+    monkeypatch.setenv("KVT_AUTH_KEY", "engine-key-" + "q" * 32)  # the workers inherit it
+    requests = mixed_requests(6, BS, 12, seed=3)
+    report = run(backend, requests)
+    assert_delivered(report, requests)
+    assert stats(report, "prefill", "released_by_readers") == [with_blocks(requests)]
+    assert stats(report, "prefill", "expired") == [0]
+
+
 def test_prefix_hits_read_only_what_is_missing(backend):
     requests = [RequestSpec("partial", 10 * BS + 1, prefix_hit_blocks=3),
                 RequestSpec("full", 6 * BS, prefix_hit_blocks=6)]

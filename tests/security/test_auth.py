@@ -351,3 +351,16 @@ def test_key_never_shown(owner, caplog, tmp_path):
     shown.append(caplog.text)
     assert all(KEY not in s and KEY[:10] not in s for s in shown)
     assert len(shown) >= 10 and "AuthenticationError" in " ".join(shown)
+
+
+def test_notification_seals_use_the_whole_key():
+    """Seals were keyed with the raw auth_key cut to 64 bytes: two keys
+    sharing their first 64 bytes (key files with a fixed header) accepted
+    each other's notifications."""
+    from kvt.auth import NotifSeal, Secret
+
+    head = "-----BEGIN FIXED HEADER OF SOME KEY FILE FORMAT-----" + "x" * 12
+    sender = NotifSeal(Secret(head + "first-key-tail"), "a")
+    same, other = NotifSeal(Secret(head + "first-key-tail"), "b"), NotifSeal(Secret(head + "other-key-tail"), "b")
+    assert same.open("a", sender.seal("b", same.incarnation, b"release 42")) == b"release 42"
+    assert other.open("a", sender.seal("b", other.incarnation, b"release 42")) is None
