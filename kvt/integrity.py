@@ -3,8 +3,9 @@
 With it on, every ``Transfer.wait()`` of a block transfer that reports DONE
 also proves the bytes: the side that holds the source blocks digests them,
 the side they landed on digests what it has, and any difference fails the
-transfer with ``IntegrityError`` (a failed request in the connector's terms)
-instead of letting corrupted KV through.  The remote side's digest travels
+transfer with ``IntegrityError`` instead of letting corrupted KV through.
+(The connector's reads are not covered yet: its workers refuse integrity
+checks on; docs/reliability.md.)  The remote side's digest travels
 over the side channel (``DigestRequest``), so no backend is involved and
 every backend is covered.
 

@@ -417,15 +417,16 @@ def test_demo_json_runs_with_a_key_and_never_shows_it(tmp_path, how):
 
 def test_engine_demo_workers_run_with_the_config_file(tmp_path):
     # before: --engine passed on only the backend and its options; the workers ran without the
-    # file's auth_key and integrity, and nothing said so
+    # file's auth_key (and the rest), and nothing said so
     key = "engine-secret-" + "y" * 32
-    (tmp_path / "kvt.toml").write_text(f'auth_key = "{key}"\nintegrity = true\n')
+    (tmp_path / "kvt.toml").write_text(f'auth_key = "{key}"\ndiscovery = "etcd://127.0.0.1:2379"\n')
     r = run_kvt("demo", "--engine", "--json", "--config", str(tmp_path / "kvt.toml"), "--requests", "3",
                 "--blocks", "16", "--request-blocks", "4", "--layers", "1", timeout=180)
     assert r.returncode == 0, r.stderr
     assert key not in r.stdout + r.stderr
     ranks = [w for ws in json.loads(r.stdout)["workers"].values() for w in ws]
-    assert len(ranks) == 2 and all(w["config"]["auth_key"] == "***" and w["config"]["integrity"] for w in ranks)
+    assert len(ranks) == 2 and all(w["config"]["auth_key"] == "***" for w in ranks)
+    assert all(w["config"]["discovery"] == "etcd://127.0.0.1:2379" for w in ranks)
 
 
 @pytest.mark.parametrize("group", [True, False])

@@ -45,8 +45,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..agent import Agent, Transfer, fetch_info
-from ..errors import (ClosedError, HandshakeTimeout, IncompatiblePeer, InvalidArgument, KvtError, PeerDisconnected,
-                      TransferTimeout, WireError)
+from ..errors import (ClosedError, ConfigError, HandshakeTimeout, IncompatiblePeer, InvalidArgument, KvtError,
+                      PeerDisconnected, TransferTimeout, WireError)
 from ..types import Op, PrepHandle
 from ..wire import AgentInfo, BlockLayout
 from .compat import WorkerCard, check_peer
@@ -128,9 +128,14 @@ class ConnectorWorker:
             raise InvalidArgument(f"tp_rank must be in [0, {config.tp_size}), got {tp_rank}")
         self.config, self.rank = config, tp_rank
         port = config.side_channel_port + tp_rank if config.side_channel_port else 0
-        self.agent = Agent(config=config.kvt_config(
-            name=f"{config.engine_id}-tp{tp_rank}-{secrets.token_hex(3)}", listen_host=config.side_channel_host,
-            listen_port=port))
+        kvt_config = config.kvt_config(name=f"{config.engine_id}-tp{tp_rank}-{secrets.token_hex(3)}",
+                                       listen_host=config.side_channel_host, listen_port=port)
+        if kvt_config.integrity:
+            # fail closed: the connector posts its reads on the backend directly, and kvt.integrity
+            # proves only what Transfer.wait() waits on; an engine must not believe its KV checked
+            raise ConfigError("integrity checks (KVT_INTEGRITY / integrity = true) do not cover the connector's "
+                              "KV reads yet: unset them for engines (docs/reliability.md, 'Intact KV')")
+        self.agent = Agent(config=kvt_config)
         self.consumer = f"{config.engine_id}:{tp_rank}"
         self.endpoint: str | None = None
         self._copy = copy_blocks
