@@ -15,7 +15,9 @@ it makes the calls itself.  A surviving child says nothing about the peer.
 One long-lived child per (probe, settings), at most ``MAX_CHILDREN`` per
 process: a check pays a pipe round trip, and the first one for its
 settings the child's start (an interpreter and the library's set-up)
-unless the plugin called ``start`` earlier.  The core imports no plugin:
+unless the plugin called ``start`` earlier.  A child is replaced after
+``MAX_CHECKS`` checks, so what a library keeps of each payload (NIXL: a
+connection to every peer whose blob it loaded) does not pile up.  The core imports no plugin:
 only the child imports the probe.
 """
 
@@ -40,6 +42,9 @@ _MAX_MESSAGE = 1 << 26  # what one check may send the child (callers bound their
 START_TIMEOUT = 60.0
 CHECK_TIMEOUT = 10.0
 MAX_CHILDREN = 4  # per process: one per plugin and settings in use; each is a process with the library loaded
+#: checks a child serves before a fresh one replaces it: a library may keep something of every payload
+#: it loaded (NIXL keeps the connection a peer's blob opened, at both ends, after remove_remote_agent)
+MAX_CHECKS = 64
 
 CHILD = [sys.executable, "-m", __name__]  # the sandbox's command line, then the probe and settings
 
@@ -51,6 +56,7 @@ class _Child:
         self.proc = subprocess.Popen([*CHILD, *key], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, close_fds=True)
         self.up = False
+        self.checks = 0
 
 
 _lock = threading.Lock()
@@ -104,6 +110,13 @@ def vet(probe: str, settings: dict[str, Any], payload: bytes, refusal: str) -> N
                                 "check that its plugin loads (`kvt backends`)")
             child.up = True
         if _ask(child.proc, payload):
+            child.checks += 1
+            if child.checks >= MAX_CHECKS:  # retired, and its successor started now, not at the next check
+                _drop(key)
+                try:
+                    _child(probe, settings)
+                except OSError:  # the next check says why
+                    pass
             return
         _drop(key)
     raise WireError(refusal)

@@ -138,3 +138,16 @@ def test_no_interpreter_to_start_is_a_wire_error(monkeypatch):
     sandbox.start(PROBE, {})
     with pytest.raises(WireError, match="could not start"):
         sandbox.vet(PROBE, {}, b"fine", "refused")
+
+
+def test_a_child_is_replaced_after_its_share_of_checks(monkeypatch):
+    """NIXL keeps a connection to every peer whose blob the child loaded, at
+    both ends, so a long-lived child piled them up (one socket per vetted
+    blob in the peers too, until their process ran out of descriptors)."""
+    monkeypatch.setattr(sandbox, "MAX_CHECKS", 3)
+    pids = []
+    for _ in range(7):
+        sandbox.vet(PROBE, {}, b"fine", "refused")
+        (child,) = sandbox._children.values()
+        pids.append(child.proc.pid)
+    assert len(set(pids)) == 3 and pids[2] != pids[0] and pids[3] == pids[2] == pids[4]
