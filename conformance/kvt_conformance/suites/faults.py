@@ -122,6 +122,19 @@ class FaultTests(BackendFixtures):
         expect_done(backend, posted[0], wait_for)
         assert_bytes(near.read(), vbuf.read())
 
+    def _far_pair(self, make_backend, spawn_peer, local_buffer, target, op):
+        """A backend and a peer process, both built with the backend's
+        ``cross_host_options`` (so a stopped peer really stalls a transfer),
+        ``N`` blocks each, the source side seeded, both lists prepped:
+        ``(backend, victim, near, vbuf, vname, lp, rp)``."""
+        read, opts = op is Op.READ, dict(target.caps.cross_host_options)
+        backend = make_backend(timeout=self.fault_timeout, **opts)
+        victim = spawn_peer(timeout=self.fault_timeout, **opts)
+        vbuf, vname = victim.alloc(BLOCK * N, seed=7 if read else None), backend.add_remote(victim.metadata())
+        near = local_buffer(BLOCK * N, seed=None if read else 7, owner=backend)
+        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
+        return backend, victim, near, vbuf, vname, lp, rp
+
     @requires("remote")
     def test_check_state_returns_while_peer_frozen(self, make_backend, local_buffer, spawn_peer, target, wait_for):
         """``check_state`` is a poll: it never blocks long, even while the
@@ -130,12 +143,8 @@ class FaultTests(BackendFixtures):
         it), every ``check_state`` over a second must return within a
         quarter of the backend's ``timeout``; one that waits for the
         transfer to settle takes the whole timeout."""
-        op, opts = self._ops(target)[0], dict(target.caps.cross_host_options)
-        backend = make_backend(timeout=self.fault_timeout, **opts)
-        victim = spawn_peer(timeout=self.fault_timeout, **opts)
-        vbuf, vname = victim.alloc(BLOCK * N, seed=7), backend.add_remote(victim.metadata())
-        near = local_buffer(BLOCK * N, seed=8, owner=backend)
-        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
+        op = self._ops(target)[0]
+        backend, victim, near, vbuf, vname, lp, rp = self._far_pair(make_backend, spawn_peer, local_buffer, target, op)
         bound, calls, slowest = self.fault_timeout / 4, 0, 0.0
         victim.stop()
         try:
@@ -191,18 +200,15 @@ class FaultTests(BackendFixtures):
         transfer given every chance to land.  Returns (this side's buffer,
         the peer's), the first zeroed after a READ, the second untouched
         before a WRITE."""
-        read, opts = op is Op.READ, dict(target.caps.cross_host_options)
-        backend = make_backend(timeout=self.fault_timeout, **opts)
-        victim = spawn_peer(timeout=self.fault_timeout, **opts)
-        vbuf, vname = victim.alloc(BLOCK * N, seed=7 if read else None), backend.add_remote(victim.metadata())
-        near = local_buffer(BLOCK * N, seed=None if read else 7, owner=backend)
-        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
+        read = op is Op.READ
+        backend, victim, near, vbuf, vname, lp, rp = self._far_pair(make_backend, spawn_peer, local_buffer, target, op)
         victim.stop()
         try:
             h = backend.transfer(op, lp, None, rp, None)
             state = settle(backend, h, wait_for)
             if state.done:
-                pytest.skip(f"the {op.value} completed with the peer stopped, even with {opts}: nothing stalled")
+                pytest.skip(f"the {op.value} completed with the peer stopped, even with "
+                            f"{dict(target.caps.cross_host_options)}: nothing stalled")
             assert isinstance(state.cause, TransferError), state
             # what landed before the ERR is allowed: a READ's destination zeroed, a WRITE's source changed
             near.write(np.zeros(BLOCK * N, np.uint8) if read else np.full(BLOCK * N, 0xA5, np.uint8))
@@ -238,17 +244,13 @@ class FaultTests(BackendFixtures):
             self._remove_local_peer_with_transfers_queued(backend, local_buffer, request.getfixturevalue("peer"),
                                                           op, wait_for)
             return
-        read, opts = op is Op.READ, dict(target.caps.cross_host_options)
-        backend = make_backend(timeout=self.fault_timeout, **opts)
-        victim = spawn_peer(timeout=self.fault_timeout, **opts)
-        vbuf, vname = victim.alloc(BLOCK * N, seed=7 if read else None), backend.add_remote(victim.metadata())
-        near = local_buffer(BLOCK * N, seed=None if read else 7, owner=backend)
-        lp, rp = backend.prep(None, near.blocks(BLOCK, range(N))), backend.prep(vname, vbuf.blocks(BLOCK, range(N)))
+        backend, victim, near, vbuf, vname, lp, rp = self._far_pair(make_backend, spawn_peer, local_buffer, target, op)
         victim.stop()
         try:
             handle = backend.transfer(op, lp, None, rp, None)
             if backend.check_state(handle).done:
-                pytest.skip(f"the {op.value} completed with the peer stopped, even with {opts}: nothing was in flight")
+                pytest.skip(f"the {op.value} completed with the peer stopped, even with "
+                            f"{dict(target.caps.cross_host_options)}: nothing was in flight")
             backend.remove_remote(vname)
         finally:
             victim.resume()
