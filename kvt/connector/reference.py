@@ -22,6 +22,7 @@ the backend it runs.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 import traceback
 from collections import deque
@@ -193,10 +194,20 @@ def _step(worker, caches: list, spec: EngineSpec, rank: int, work: dict) -> dict
             "failures": worker.failure_reasons(), "mismatches": mismatches}
 
 
-def _worker_main(spec: EngineSpec, rank: int, conn) -> None:
+def _kvt_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("KVT_")}
+
+
+def _worker_main(spec: EngineSpec, rank: int, conn, env: dict[str, str]) -> None:
     from .worker import ConnectorWorker
 
     import torch
+
+    # kvt's settings as the engine has them now: a forkserver child inherits the environment the
+    # server started with (possibly another engine's, earlier), not the engine's
+    for k in _kvt_environment().keys() - env.keys():
+        del os.environ[k]
+    os.environ.update(env)
 
     # the toy forward pass is a few indexing ops: one thread does it, and no
     # OpenMP pool is left spin-waiting after each op on CPUs the other engine's
@@ -257,8 +268,8 @@ class _Engine:
         self.conns, self.procs = [], []
         for rank in range(spec.tp):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(spec, rank, child), name=f"{spec.engine_id}-tp{rank}",
-                            daemon=True)
+            p = ctx.Process(target=_worker_main, args=(spec, rank, child, _kvt_environment()),
+                            name=f"{spec.engine_id}-tp{rank}", daemon=True)
             p.start()
             child.close()
             self.conns.append(parent)
