@@ -404,7 +404,7 @@ class Agent:
                                        "only with KVT_INTEGRITY=1 (set it on both sides)")
         if len(req.block_ids) % 8:
             raise WireError(f"digest request of {len(req.block_ids)} bytes of block ids is not int64s")
-        layout = self._layout(None, req.layout)
+        layout = req.of(self._layout(None, req.layout))
         integrity.check_request(layout, len(req.block_ids) // 8)
         return integrity.digest(layout, np.frombuffer(req.block_ids, np.int64)).tobytes()
 
@@ -413,27 +413,30 @@ class Agent:
         mine, theirs = self._layouts[layout], self._layout(peer, rlayout)
         if op is Op.READ:
             integrity.maybe_flip(mine, local_ids)
-        lids = as_index(local_ids, mine.num_blocks, "block ids")
-        rids = as_index(remote_ids, theirs.num_blocks, "block ids")
-        what = f"{op.value} of {lids.size} blocks {'from' if op is Op.READ else 'to'} peer {peer!r}"
-        step = integrity.per_request(theirs)  # what the peer answers per request (docs/security.md)
-        mine_all, theirs_all = [], []
-        try:
-            route = self._reach[peer]
-            endpoint = route if "://" in route else self.discovery.resolve(route)
-            for i in range(0, max(lids.size, 1), step):
-                mine_all.append(integrity.digest(mine, lids[i:i + step]))
-                reply = decode(request(endpoint, encode(integrity.DigestRequest(
-                    layout=rlayout, block_ids=rids[i:i + step].tobytes())),
-                    self.config.handshake_timeout, self.secret), HandshakeReply)
-                if reply.error:
-                    raise HandshakeError(reply.error[:_PEER_TEXT])
-                if len(reply.payload) != mine_all[-1].nbytes:  # as many digests as ours, or unreadable
-                    raise WireError(f"{len(reply.payload)} bytes of digests where {mine_all[-1].nbytes} were due")
-                theirs_all.append(np.frombuffer(reply.payload, np.uint64))
-        except KvtError as e:  # unverified counts as failed: integrity checks fail closed
-            raise IntegrityError(f"{what} could not be verified: {type(e).__name__}: {e}") from e
-        integrity.compare(np.concatenate(mine_all), np.concatenate(theirs_all), what)
+        n = mine.num_blocks if local_ids is None else len(local_ids)
+        what = f"{op.value} of {n} blocks {'from' if op is Op.READ else 'to'} peer {peer!r}"
+        route = self._reach.get(peer)
+
+        def ask(ids: np.ndarray) -> np.ndarray:
+            if route is None:  # removed meanwhile: unverified, so failed
+                raise UnknownPeer(f"peer {peer!r} was removed before its digests were asked for")
+            return self.ask_digests(route, integrity.DigestRequest(layout=rlayout, block_ids=ids.tobytes()))
+
+        integrity.verify(mine, local_ids, theirs, remote_ids, ask, what)
+
+    def ask_digests(self, endpoint: str, req: "integrity.DigestRequest") -> np.ndarray:
+        """The digests (uint64, one per region) the agent at ``endpoint`` (or
+        published under that name) answers ``req`` with: one side-channel round
+        trip within ``handshake_timeout`` (``kvt.integrity``).  Its refusal is a
+        ``HandshakeError``, unreadable digests a ``WireError``."""
+        if "://" not in endpoint:
+            endpoint = self.discovery.resolve(endpoint)
+        reply = decode(request(endpoint, encode(req), self.config.handshake_timeout, self.secret), HandshakeReply)
+        if reply.error:
+            raise HandshakeError(reply.error[:_PEER_TEXT])
+        if len(reply.payload) % 8:
+            raise WireError(f"{len(reply.payload)} bytes of digests is not a whole number of uint64s")
+        return np.frombuffer(reply.payload, np.uint64)
 
     def connect(self, endpoint: str, timeout: float | None = None) -> str:
         """Fetch a peer's ``AgentInfo`` through its side channel and load it.

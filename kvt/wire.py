@@ -20,13 +20,15 @@ from .errors import VersionMismatch, WireError
 from .types import Descs
 
 __all__ = ["WIRE_VERSION", "Message", "BlockLayout", "AgentInfo", "HandshakeRequest",
-           "HandshakeReply", "encode", "decode", "MAX_LAYOUT_ROWS"]
+           "HandshakeReply", "encode", "decode", "MAX_LAYOUT_ROWS", "MAX_PARTS"]
 
 WIRE_VERSION = 1
 #: most descriptor rows (blocks x regions) a peer's BlockLayout may describe: 16 Mi rows
 #: (384 MiB of descriptors, e.g. 100,000 blocks x 160 K/V regions); more is refused at decode
 MAX_LAYOUT_ROWS = 1 << 24
 _MAX_ADDR = 1 << 64
+#: most parts ``BlockLayout.sliced`` cuts a block into (the connector uses 1 or 2)
+MAX_PARTS = 16
 
 
 class Message(msgspec.Struct, frozen=True, tag_field="t", kw_only=True):
@@ -63,6 +65,22 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("layout region runs past the top of the address space")
         if self.kind not in ("DRAM", "VRAM", "DEVICE"):
             raise ValueError(f"unknown memory kind {self.kind!r}")
+
+    def sliced(self, parts: int, offset: int, length: int) -> "BlockLayout":
+        """The layout whose block ``b`` of region ``i`` is bytes ``[offset,
+        offset + length)`` of part ``i % parts`` of block ``b`` of region
+        ``i // parts`` here, each block seen as ``parts`` equal parts (K and V
+        of a joined block; a slice of heads).  ``ValueError`` unless that lies
+        inside every part; at most ``MAX_PARTS`` parts."""
+        if not (1 <= parts <= MAX_PARTS and self.block_len % parts == 0 and 0 <= offset and length > 0
+                and offset + length <= self.block_len // parts):
+            raise ValueError(f"bytes [{offset}, {offset} + {length}) of {parts} parts (at most {MAX_PARTS}) do "
+                             f"not lie inside {self.block_len} B blocks split evenly")
+        part_len = self.block_len // parts
+        bases = (np.asarray(self.base_addrs, np.uint64)[:, None]
+                 + np.arange(parts, dtype=np.uint64)[None, :] * np.uint64(part_len)).ravel() + np.uint64(offset)
+        return BlockLayout(base_addrs=bases.tolist(), block_len=length, num_blocks=self.num_blocks,
+                           stride=self.stride, device=self.device, kind=self.kind)
 
     def descs(self) -> Descs:
         """Every block of every region, region-major (one numpy broadcast)."""

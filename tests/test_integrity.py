@@ -49,11 +49,11 @@ def test_clean_transfers_verify(pair):
 
 def test_flipped_byte_fails_the_read(pair, monkeypatch):
     src, me, local, peer = pair
-    monkeypatch.setattr(integrity, "_FLIP", 1.0)  # the test hook: every landed READ gets a byte flipped
+    monkeypatch.setenv("KVT_INTEGRITY_TEST_FLIP", "1")  # the test hook: every landed READ gets a byte flipped
     with me.read_blocks(peer, [0, 1], [3, 4]) as t:
         with pytest.raises(IntegrityError, match="differ from the source"):
             t.wait(10)
-    monkeypatch.setattr(integrity, "_FLIP", 0.0)
+    monkeypatch.setenv("KVT_INTEGRITY_TEST_FLIP", "0")
     with me.read_blocks(peer, [0, 1], [3, 4]) as t:  # the peer and the agent carry on
         t.wait(10)
 
@@ -80,7 +80,14 @@ def test_peer_added_without_a_side_channel_is_refused():
 @pytest.mark.parametrize("req", [integrity.DigestRequest(layout="nope", block_ids=b""),
                                  integrity.DigestRequest(layout="kv", block_ids=b"\x01\x02\x03"),
                                  integrity.DigestRequest(layout="kv", block_ids=np.array([10**9]).tobytes()),
-                                 integrity.DigestRequest(layout="kv", block_ids=np.array([-5]).tobytes())])
+                                 integrity.DigestRequest(layout="kv", block_ids=np.array([-5]).tobytes()),
+                                 # slices of the blocks that are not inside them (the connector's TP reads)
+                                 *(integrity.DigestRequest(layout="kv", block_ids=np.array([1]).tobytes(),
+                                                           parts=p, offset=o, length=n)
+                                   for p, o, n in [(2, 0, 33), (2, 30, 4), (3, 0, 1), (0, 0, 1), (-1, 0, 1),
+                                                   (2**40, 0, 1), (64, 0, 1), (2, -1, 2), (2, 0, -8),
+                                                   (1, 2**63 - 1, 2**63 - 1)])],
+                         ids=lambda r: f"{r.layout}-{len(r.block_ids)}-{r.parts}-{r.offset}-{r.length}")
 def test_bad_digest_requests_get_a_typed_refusal(req):
     with agent("a") as a:
         a.register_blocks("kv", [np.zeros((4, 64), np.uint8)])
@@ -90,6 +97,20 @@ def test_bad_digest_requests_get_a_typed_refusal(req):
         ok = decode(request(endpoint, encode(integrity.DigestRequest(layout="kv", block_ids=np.array([1, 2]).tobytes())),
                             5), HandshakeReply)
         assert len(ok.payload) == 8 and not ok.error
+
+
+def test_a_slice_of_every_block_is_digested_as_the_blocks_it_names():
+    """A DigestRequest for bytes [8, 24) of each of two parts of the blocks
+    answers what digesting those bytes gathered gives, one digest per part."""
+    data = np.random.default_rng(1).integers(0, 256, (4, 64), np.uint8)
+    with agent("a") as a:
+        a.register_blocks("kv", [data])
+        reply = decode(request(a.listen(), encode(integrity.DigestRequest(
+            layout="kv", block_ids=np.array([3, 1]).tobytes(), parts=2, offset=8, length=16)), 5), HandshakeReply)
+    import xxhash
+
+    want = [xxhash.xxh3_64_intdigest(np.ascontiguousarray(data[[3, 1], lo:lo + 16]).tobytes()) for lo in (8, 40)]
+    assert np.frombuffer(reply.payload, np.uint64).tolist() == want
 
 
 @pytest.mark.parametrize("change", [lambda p: p[:-1], lambda p: p + b"\x00" * 8], ids=["short", "long"])

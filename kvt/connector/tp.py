@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..errors import IncompatiblePeer
 from ..wire import BlockLayout
 from .config import KVCacheSpec
@@ -114,8 +112,4 @@ def plan_reads(local_rank: int, local_tp: int, remote_tp: int, local_part: int, 
 def part_layout(layout: BlockLayout, parts: int, sl: Slice) -> BlockLayout:
     """The layout whose block ``b`` of region ``i`` is slice ``sl`` of part
     ``i % parts`` of block ``b`` of buffer ``i // parts`` in ``layout``."""
-    part_len = layout.block_len // parts
-    bases = (np.asarray(layout.base_addrs, np.uint64)[:, None]
-             + np.arange(parts, dtype=np.uint64)[None, :] * np.uint64(part_len)).ravel() + np.uint64(sl.offset)
-    return BlockLayout(base_addrs=bases.tolist(), block_len=sl.length, num_blocks=layout.num_blocks,
-                       stride=layout.stride, device=layout.device, kind=layout.kind)
+    return layout.sliced(parts, sl.offset, sl.length)

@@ -19,10 +19,18 @@ request whose handshake or read fails is still returned by ``get_finished``
 — with its blocks in ``get_block_ids_with_load_errors`` — so the engine can
 recompute or fail it; it is never reported loaded when it is not.
 
+With integrity checks on (``KVT_INTEGRITY=1`` on both engines) a request's
+landed blocks are proven against the prefill rank's digests of its own
+(``kvt.integrity``) on a thread of the worker's, never on the engine's step;
+the request is reported loaded only once they agree, and failed (its blocks
+in ``get_block_ids_with_load_errors``) when they differ or cannot be had.
+
 Prefill side: ``reqs_to_send`` requests are held until every decode rank
 that reads this rank's blocks has sent its ``ReadNotif`` (attached to its
-read, so it arrives after the data left), or until ``expires_at``; then
-they are returned as done sending and the engine frees their blocks.  A
+read, so it arrives after the data left; with integrity checks on, sent
+once the blocks are proven, so they stay put while they are digested), or
+until ``expires_at``; then they are returned as done sending and the engine
+frees their blocks.  A
 notification counts only when it comes from the decode rank it names (see
 ``ReadNotif``).
 
@@ -37,15 +45,17 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Mapping
 
 import numpy as np
 
+from .. import integrity
 from ..agent import Agent, Transfer, fetch_info
-from ..errors import (ClosedError, ConfigError, HandshakeTimeout, IncompatiblePeer, InvalidArgument, KvtError,
+from ..errors import (ClosedError, HandshakeTimeout, IncompatiblePeer, InvalidArgument, KvtError,
                       PeerDisconnected, TransferTimeout, WireError)
 from ..types import Op, PrepHandle
 from ..wire import AgentInfo, BlockLayout
@@ -70,6 +80,10 @@ QUIET = 10.0  # seconds between the warnings a peer's bad notifications can caus
 # handshake threads per worker: they mostly wait on the network, so a few peers that never answer
 # (params naming dead or silent endpoints) must not hold up the handshakes queued behind them
 HANDSHAKE_THREADS = 32
+# integrity checks: threads proving landed reads (each mostly waits on a peer's digests)
+CHECK_THREADS = 4
+# finished reads' timings kept until take_timings (an engine that never asks keeps the latest)
+MAX_TIMINGS = 1 << 16
 
 
 @dataclass
@@ -81,6 +95,8 @@ class _Path:
     remote: BlockLayout
     remote_prep: PrepHandle
     peer: str  # the agent peer it reads from (its notification is sealed for it)
+    endpoint: str = ""  # the peer's side channel (integrity checks ask it for digests)
+    part: tuple[int, int, int] = (1, 0, 0)  # (parts, offset, length) of its blocks that are read
 
 
 @dataclass
@@ -108,6 +124,7 @@ class _Recv:
     #: set on the retry of a read that failed with its peer lost: that peer's metadata back then
     retry_of: dict[str, bytes] | None = None
     first_error: str | None = None  # and why it failed the first time
+    checking: Future | None = None  # integrity checks: proving the landed blocks
 
 
 @dataclass
@@ -131,10 +148,7 @@ class ConnectorWorker:
         kvt_config = config.kvt_config(name=f"{config.engine_id}-tp{tp_rank}-{secrets.token_hex(3)}",
                                        listen_host=config.side_channel_host, listen_port=port)
         if kvt_config.integrity:
-            # fail closed: the connector posts its reads on the backend directly, and kvt.integrity
-            # proves only what Transfer.wait() waits on; an engine must not believe its KV checked
-            raise ConfigError("integrity checks (KVT_INTEGRITY / integrity = true) do not cover the connector's "
-                              "KV reads yet: unset them for engines (docs/reliability.md, 'Intact KV')")
+            integrity.require()  # at start, not as every read failing
         self.agent = Agent(config=kvt_config)
         self.consumer = f"{config.engine_id}:{tp_rank}"
         self.endpoint: str | None = None
@@ -145,6 +159,8 @@ class ConnectorWorker:
         self._parts = 1
         self._meta = ConnectorMetadata()
         self._pool = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix=f"kvt-connector-handshake-{tp_rank}")
+        self._checker = (ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix=f"kvt-connector-check-{tp_rank}")
+                         if kvt_config.integrity else None)
         # in flight per (engine, endpoints): one per remote engine, unless a request names other endpoints
         self._handshakes: dict[tuple, tuple[Future, RemoteSource]] = {}
         self._waiting: dict[tuple, list[tuple[str, RecvRequest]]] = {}
@@ -161,9 +177,10 @@ class ConnectorWorker:
         self._failures: dict[str, str] = {}
         self._live = 0  # transfer handles posted and not yet released
         self.stats = dict.fromkeys(("reads", "bytes_read", "recv_ok", "recv_failed", "notified_only",
-                                    "released_by_readers", "expired", "retried", "bad_notifs"), 0)
+                                    "released_by_readers", "expired", "retried", "bad_notifs", "verified"), 0)
         self._warned_at = -QUIET
-        self._timings: list[tuple[float, float, int, int]] = []  # finished reads since take_timings
+        # finished reads since take_timings
+        self._timings: deque[tuple[float, float, int, int]] = deque(maxlen=MAX_TIMINGS)
         self._closed = False
 
     # -- registration ---------------------------------------------------------
@@ -262,9 +279,10 @@ class ConnectorWorker:
 
     def take_timings(self) -> list[tuple[float, float, int, int]]:
         """``(post_seconds, transfer_seconds, bytes, blocks)`` of every read
-        that landed since the last call (for the engine's metrics); the time
-        a read waits for its handshake is not counted."""
-        out, self._timings = self._timings, []
+        that landed since the last call (for the engine's metrics; the latest
+        ``MAX_TIMINGS``); the time a read waits for its handshake is not
+        counted, the time its blocks take to be proven (integrity checks) is."""
+        out, self._timings = list(self._timings), deque(maxlen=MAX_TIMINGS)
         return out
 
     def failure_reasons(self) -> dict[str, str]:
@@ -471,7 +489,8 @@ class ConnectorWorker:
                 local, local_prep = self._local_prep(read.local)
                 rl = part_layout(remote[read.remote_rank], card.parts, read.remote)
                 preps.append(self.agent.backend.prep(peers[read.remote_rank], rl.descs()))
-                paths.append(_Path(local, local_prep, rl, preps[-1], peers[read.remote_rank]))
+                paths.append(_Path(local, local_prep, rl, preps[-1], peers[read.remote_rank],
+                                   endpoints[read.remote_rank], (card.parts, read.remote.offset, read.remote.length)))
         except Exception as e:  # whatever failed, the peers loaded so far go (they piled up otherwise)
             for h in preps:
                 self._quietly(self.agent.backend.release, h)
@@ -524,8 +543,9 @@ class ConnectorWorker:
             for path in remote.paths:
                 lidx = Agent.block_index(path.local, req.local_block_ids)
                 ridx = Agent.block_index(path.remote, src.block_ids)
-                h = self.agent.backend.transfer(Op.READ, path.local_prep, lidx, path.remote_prep, ridx,
-                                                self.agent.notif_for(path.peer, notif))
+                # with integrity checks the prefill side hears from us once the blocks are proven
+                attached = None if self._checker else self.agent.notif_for(path.peer, notif)
+                h = self.agent.backend.transfer(Op.READ, path.local_prep, lidx, path.remote_prep, ridx, attached)
                 self._live += 1
                 recv.transfers.append(Transfer(self.agent, h, int(lidx.size) * path.local.block_len))
             self._notify(remote.notify_only, notif)
@@ -580,6 +600,8 @@ class ConnectorWorker:
                 recv.error = recv.error or (f"read did not finish within "
                                             f"{self.config.transfer_timeout + _SLACK:g}s")
                 recv.peer_lost = True
+            elif self._checker is not None and recv.error is None and recv.transfers and self._proving(recv, now):
+                continue
             try:
                 self._finish(req_id, recv)
             except Exception as e:  # a bug must fail the request, never escape into the engine's step
@@ -587,6 +609,41 @@ class ConnectorWorker:
                 self._fail_hard(req_id, recv, f"finishing the read failed: {type(e).__name__}: {e}")
         if self._retired:
             self._reap()
+
+    def _proving(self, recv: _Recv, now: float) -> bool:
+        """Integrity checks: True while ``recv``'s landed blocks are being
+        proven (started here on the first call); its error is set when they
+        could not be."""
+        # each path's digests within a handshake_timeout (per_request ids at a time: once for most reads)
+        budget = (self.config.handshake_timeout + _SLACK) * len(recv.remote.paths)
+        if recv.checking is None:
+            recv.checking = self._checker.submit(self._check, recv)
+            recv.deadline = now + budget
+            return True
+        if not recv.checking.done():
+            if now < recv.deadline:
+                return True
+            recv.error = f"IntegrityError: its blocks were not proven within {budget:g}s"
+        elif (e := recv.checking.exception()) is not None:
+            recv.error = f"{type(e).__name__}: {e}"
+        return False
+
+    def _check(self, recv: _Recv) -> None:
+        """Checker thread: prove every path's landed blocks against the
+        prefill rank's own (``IntegrityError`` otherwise)."""
+        req, src = recv.req, recv.req.remote
+        for path in recv.remote.paths:
+            integrity.maybe_flip(path.local, req.local_block_ids)  # the test hook: off unless set
+            integrity.verify(path.local, req.local_block_ids, path.remote, src.block_ids,
+                             partial(self._digests, path),
+                             f"read of {len(req.local_block_ids)} blocks of request {src.request_id!r} from "
+                             f"peer {path.peer!r}")
+
+    def _digests(self, path: _Path, ids: np.ndarray) -> np.ndarray:
+        """The prefill rank's digests of ``ids`` of the part of its blocks ``path`` reads."""
+        parts, offset, length = path.part
+        return self.agent.ask_digests(path.endpoint, integrity.DigestRequest(
+            layout=_LAYOUT, block_ids=ids.tobytes(), parts=parts, offset=offset, length=length))
 
     def _fail_hard(self, req_id: str, recv: _Recv, why: str) -> None:
         """Report ``req_id`` failed whatever state ``_finish`` left it in."""
@@ -618,6 +675,10 @@ class ConnectorWorker:
                 log.exception("request %s: copying its blocks host -> device failed", req_id)
                 recv.error = f"copying the blocks host -> device failed: {type(e).__name__}: {e}"
         if recv.error is None:
+            if recv.checking is not None:  # proven: the prefill side may free them now
+                self.stats["verified"] += 1
+                self._notify({p.peer for p in recv.remote.paths},
+                             ReadNotif(recv.req.remote.request_id, self.consumer, self.config.tp_size).encode())
             self.stats["reads"] += len(recv.transfers)
             self.stats["bytes_read"] += sum(t.nbytes for t in recv.transfers)
             self.stats["recv_ok"] += 1
@@ -692,6 +753,8 @@ class ConnectorWorker:
             return
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._checker is not None:
+            self._checker.shutdown(wait=False, cancel_futures=True)
         for recv in self._loading.values():
             for t in recv.transfers:
                 self._quietly(Transfer.release, t)

@@ -541,14 +541,3 @@ def test_params_with_a_lone_surrogate_are_malformed_not_a_unicode_error(field):
     with pytest.raises(InvalidArgument, match="malformed"):
         dsched.get_num_new_matched_tokens(EngineRequest("q", 8, params), 0)
     dsched.build_connector_meta().encode()  # the step goes on
-
-
-def test_integrity_checks_on_are_refused_not_silently_skipped(monkeypatch):
-    """KVT_INTEGRITY=1 proved nothing of the connector's reads (posted on the
-    backend directly, never through Transfer.wait): corrupted KV was accepted
-    as loaded.  Until they are covered, the connector refuses to start with it."""
-    from kvt.errors import ConfigError
-
-    monkeypatch.setenv("KVT_INTEGRITY", "1")
-    with pytest.raises(ConfigError, match="do not cover the connector"):
-        ConnectorWorker(config("d"), 0)

@@ -74,6 +74,46 @@ def test_with_an_auth_key_readers_release_their_blocks(backend, monkeypatch):
     assert stats(report, "prefill", "expired") == [0]
 
 
+@pytest.mark.parametrize("ptp, dtp, kv_layout", [(1, 1, "split"), (2, 1, "split"), (1, 2, "joined")])
+def test_with_integrity_checks_reads_are_proven_before_they_count(backend, monkeypatch, ptp, dtp, kv_layout):
+    """KVT_INTEGRITY=1 on both engines: every read is proven against the
+    prefill rank's digests before it is reported loaded, and the prefill side
+    hears from the reader (and frees the blocks) only after that.  With
+    heterogeneous TP each read's digests cover the slice of the blocks it read."""
+    monkeypatch.setenv("KVT_INTEGRITY", "1")  # the workers inherit it
+    requests = mixed_requests(6, BS, 12, seed=5)
+    report = run(backend, requests, ptp=ptp, dtp=dtp, model=ToyModel(kv_layout=kv_layout))
+    assert_delivered(report, requests)
+    assert stats(report, "decode", "verified") == [with_blocks(requests)] * dtp
+    assert stats(report, "prefill", "released_by_readers") == [with_blocks(requests)] * ptp
+    assert stats(report, "prefill", "expired") == [0] * ptp
+
+
+@pytest.mark.parametrize("ptp, dtp, kv_layout", [(2, 1, "split"), (1, 2, "joined")])
+def test_with_integrity_checks_corrupted_reads_fail_not_load(backend, monkeypatch, ptp, dtp, kv_layout):
+    """A byte flipped in every landed read (the test hook, as a corrupting
+    link would leave it) fails the request with its blocks invalid; the
+    checks used to prove nothing of the connector's reads, and corrupted KV
+    was reported loaded.  Heterogeneous TP: the digests are of the slice of
+    each prefill block that was read (a prefill rank's half of the heads, or
+    a decode rank's half of a wider block)."""
+    monkeypatch.setenv("KVT_INTEGRITY", "1")
+    monkeypatch.setenv("KVT_INTEGRITY_TEST_FLIP", "1")
+    requests = mixed_requests(4, BS, 8, seed=7)
+    report = run(backend, requests, ptp=ptp, dtp=dtp, model=ToyModel(kv_layout=kv_layout))
+    for spec in requests:
+        r = report.results[spec.request_id]
+        if spec.prompt_len >= BS:
+            assert r.status == "failed" and "IntegrityError" in r.reason, r
+        else:
+            assert r.status == "ok", r
+    assert stats(report, "decode", "verified") == [0] * dtp
+    assert stats(report, "decode", "recv_failed") == [with_blocks(requests)] * dtp
+    # the readers' "done, failed" notifications free the blocks: nothing waits for its lease
+    assert stats(report, "prefill", "released_by_readers") == [with_blocks(requests)] * ptp
+    assert report.leaks == {}
+
+
 def test_prefix_hits_read_only_what_is_missing(backend):
     requests = [RequestSpec("partial", 10 * BS + 1, prefix_hit_blocks=3),
                 RequestSpec("full", 6 * BS, prefix_hit_blocks=6)]

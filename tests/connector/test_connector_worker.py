@@ -157,6 +157,41 @@ def test_notification_before_the_hold(workers):
     assert p_done[0] == {"req"} and not any(p.outstanding().values())
 
 
+def test_with_integrity_checks_the_prefill_side_holds_the_blocks_until_they_are_proven(workers, monkeypatch):
+    """The reader's notification travels once the landed blocks are proven,
+    not attached to the read: the prefill side freed (and could reuse) its
+    blocks while they were still being digested, failing honest reads."""
+    import threading
+
+    monkeypatch.setenv("KVT_INTEGRITY", "1")
+    p, _, endpoint = workers("p", fill=True)
+    d, dkv, _ = workers("d")
+    psched = ConnectorScheduler(config("p"))
+    psched.set_worker_endpoints({0: endpoint})
+    params = handoff(psched, [p], [1, 2], 8)
+    dsched = ConnectorScheduler(config("d"))
+    dreq = EngineRequest("d-req", 8, dict(params))
+    dsched.update_state_after_alloc(dreq, [4, 5], dsched.get_num_new_matched_tokens(dreq, 0)[0])
+    go, asked, real = threading.Event(), threading.Event(), d.agent.ask_digests
+
+    def held_back(*args):
+        asked.set()
+        assert go.wait(20)
+        return real(*args)
+
+    monkeypatch.setattr(d.agent, "ask_digests", held_back)
+    d_done, p_done = [set(), set()], [set(), set()]
+    d.start_load_kv(dsched.build_connector_meta())
+    pump([(d, d_done), (p, p_done)], asked.is_set)  # landed, being proven
+    time.sleep(0.2)
+    pump([(d, d_done), (p, p_done)], lambda: True)
+    assert p_done[0] == set() and p.outstanding()["held"] == 1  # still held while proven
+    assert d_done[1] == set()  # and not reported loaded yet
+    go.set()
+    pump([(d, d_done), (p, p_done)], lambda: "req" in p_done[0] and "d-req" in d_done[1])
+    assert d.get_block_ids_with_load_errors() == set() and d.stats["verified"] == 1
+
+
 def test_notifications_for_requests_not_held_are_bounded(workers, monkeypatch):
     """A peer naming made-up requests, or one request with made-up readers,
     costs the prefill worker a bounded set-aside (oldest dropped); a real

@@ -7,6 +7,7 @@ pinning (``VLLM_CPU_OMP_THREADS_BIND``) and a small KV cache."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -15,7 +16,7 @@ import sys
 import time
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 START_TIMEOUT = 300.0
@@ -104,6 +105,23 @@ class Engine:
         self.kill()
 
 
+@contextlib.contextmanager
+def started(model: Path, log_dir: Path, *engines: dict[str, Any]) -> Iterator[list[Engine]]:
+    """Engines started at once (each dict: ``Engine.start``'s arguments
+    besides the model and log folder), up before the body runs, all closed
+    after it."""
+    out: list[Engine] = []
+    try:
+        for kw in engines:
+            out.append(Engine.start(model=model, log_dir=log_dir, wait=False, **kw))
+        for e in out:
+            e.ready()
+        yield out
+    finally:
+        for e in out:
+            e.close()
+
+
 # -- the child ---------------------------------------------------------------
 
 def _child(address: str) -> None:
@@ -132,6 +150,9 @@ def _child(address: str) -> None:
                 value = _start(llm, *args)
             elif op == "shutdown":
                 value = _shutdown(llm)
+            elif op == "setenv":  # kvt's test hooks read at use (KVT_INTEGRITY_TEST_FLIP)
+                os.environ.update(args[0])
+                value = None
             else:
                 raise ValueError(f"unknown op {op!r}")
             conn.send((True, value))

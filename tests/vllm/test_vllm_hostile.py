@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import BLOCK, Engine  # noqa: E402
+from engine import BLOCK, Engine, started  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -43,22 +43,13 @@ def engines(tiny_model, tmp_path_factory):
         return {"kv_connector": "KvtConnector", "kv_role": role, **more, "kv_connector_extra_config": {
             "backend": "host", "transfer_timeout": 5.0, "handshake_timeout": 3.0}}
 
-    started = []
-    try:
-        started.append(Engine.start("prefill-hostile", tiny_model, core=0, log_dir=logs, wait=False,
-                                    kv_transfer_config=ktc("kv_producer")))
-        started.append(Engine.start("decode-hostile", tiny_model, core=1, log_dir=logs, wait=False,
-                                    kv_transfer_config=ktc("kv_consumer", kv_load_failure_policy="recompute"),
-                                    max_num_batched_tokens=CHUNK))
-        for e in started:
-            e.ready()
-        prefill, decode = started
+    with started(tiny_model, logs,
+                 dict(name="prefill-hostile", core=0, kv_transfer_config=ktc("kv_producer")),
+                 dict(name="decode-hostile", core=1,
+                      kv_transfer_config=ktc("kv_consumer", kv_load_failure_policy="recompute"),
+                      max_num_batched_tokens=CHUNK)) as (prefill, decode):
         own = decode.generate([PROMPT, LONG], MAX_TOKENS)
         yield prefill, decode, logs / "decode-hostile.log", {"prompt": own[0]["tokens"], "long": own[1]["tokens"]}
-    finally:
-        for e in started:
-            e.close()
-
 
 def _handed(prefill: Engine, prompts: list[list[int]]) -> list[dict]:
     outs = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))

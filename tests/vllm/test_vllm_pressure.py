@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import BLOCK, Engine  # noqa: E402
+from engine import BLOCK, started  # noqa: E402
 from tiny_model import HEADS, HIDDEN, KV_HEADS, LAYERS  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -38,21 +38,12 @@ def engines(tiny_model, tmp_path_factory):
         return {"kv_connector": "KvtConnector", "kv_role": role, "kv_connector_extra_config": {
             "backend": "host", "transfer_timeout": 10.0, "handshake_timeout": 5.0}}
 
-    started = []
-    try:
-        started.append(Engine.start("prefill-pressure", tiny_model, core=0, log_dir=logs, wait=False, env=env,
-                                    kv_transfer_config=ktc("kv_producer")))
-        started.append(Engine.start("decode-pressure", tiny_model, core=1, log_dir=logs, wait=False, env=env,
-                                    kv_transfer_config=ktc("kv_consumer"), num_gpu_blocks_override=BLOCKS,
-                                    max_model_len=(BLOCKS - 1) * BLOCK))  # (vLLM keeps one block back)
-        for e in started:
-            e.ready()
-        prefill, decode = started
+    with started(tiny_model, logs,
+                 dict(name="prefill-pressure", core=0, env=env, kv_transfer_config=ktc("kv_producer")),
+                 dict(name="decode-pressure", core=1, env=env, kv_transfer_config=ktc("kv_consumer"),
+                      num_gpu_blocks_override=BLOCKS,
+                      max_model_len=(BLOCKS - 1) * BLOCK)) as (prefill, decode):  # (vLLM keeps one block back)
         yield prefill, decode, [o["tokens"] for o in decode.generate(PROMPTS, MAX_TOKENS)]
-    finally:
-        for e in started:
-            e.close()
-
 
 def test_requests_waiting_for_blocks_are_each_read_once_in_full(engines):
     prefill, decode, own = engines
