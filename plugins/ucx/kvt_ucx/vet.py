@@ -20,7 +20,11 @@ few thousand tries).  Two layers, in order:
 
 Cost: one pipe round trip per ``add_remote`` (about a millisecond).  The
 child (a Python interpreter and a UCP context) starts when the backend first
-hands out its metadata, so it is up by the time a peer's arrives.
+hands out its metadata; starting takes about 0.5 s here (0.16 s importing
+kvt, 0.4 s loading UCX), so a peer whose metadata arrives sooner (a decode
+engine given work right after start) waits that out in its first
+``add_remote``, once.  A lease shorter than that plus the read cannot be met
+on the first request (the connector then refuses the read as too late).
 """
 
 from __future__ import annotations
