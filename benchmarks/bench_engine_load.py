@@ -2,7 +2,7 @@
 next to ``kvt bench`` moving the same blocks on the same backend, in one run.
 
     python benchmarks/bench_engine_load.py [--backends host,nixl,ucx] [--requests 12]
-        [--blocks 64] [--layers 4] [--heads 8] [--head-dim 128] [--block-size 16]
+        [--blocks 64] [--layers 4] [--heads 8] [--head-dim 128] [--block-size 16] [--integrity]
 
 The engine runs ``--requests`` requests of exactly ``--blocks`` blocks, one
 at a time (each admitted once the one before finished), so a request's load
@@ -18,12 +18,15 @@ that fits the CPU cache is timed from cache) and once against ``kvt bench
 --cold`` (different blocks each iteration, as an engine's loads are).
 "worker posted -> landed" is the decode worker's own view of each read
 (``take_timings``): the rest of the load time is the engine's step around it.
+``--integrity`` instead runs the engine with integrity checks off, then on
+(``KVT_INTEGRITY=1``: each read proven against the prefill side's digests).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -68,6 +71,22 @@ def bench_read(backend: str, block: int, batch: int, cold: bool) -> dict:
     return {"median_s": mine[0]["median_s"], "memcpy_s": memcpy[0]["median_s"] if memcpy else None}
 
 
+def integrity_cost(args: argparse.Namespace) -> None:
+    """Engine load times with integrity checks off, then on (both engines)."""
+    print("| backend | integrity | engine load ms | worker posted -> landed (and proven) ms | on - off ms |")
+    print("|---|---|---:|---:|---:|")
+    for backend in args.backends.split(","):
+        off = None
+        for on in ("0", "1"):
+            os.environ["KVT_INTEGRITY"] = on  # the engines' workers take kvt's environment
+            loads, landed, _ = engine_loads(backend, args)
+            load = statistics.median(loads)
+            off = load if off is None else off
+            print(f"| {backend} | {'on' if on == '1' else 'off'} | {1e3 * load:.2f} | "
+                  f"{1e3 * statistics.median(landed):.2f} | {1e3 * (load - off):.2f} |", flush=True)
+    os.environ.pop("KVT_INTEGRITY")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="host")
@@ -77,7 +96,12 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    ap.add_argument("--integrity", action="store_true",
+                    help="instead: the engine's load times with integrity checks off and on (KVT_INTEGRITY)")
     args = ap.parse_args()
+    if args.integrity:
+        integrity_cost(args)
+        return
     part = args.heads * args.block_size * args.head_dim * 2  # one layer's K or V of one block, float16
     descs = args.layers * 2 * args.blocks
     print(f"{args.requests} requests of {args.blocks} blocks ({descs} descriptors of {part // 1024} KiB, "

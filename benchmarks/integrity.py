@@ -36,7 +36,8 @@ def main() -> None:
     for i, s in enumerate(src):
         s[:] = (np.arange(nb * bl, dtype=np.uint64).reshape(nb, bl) * (i + 3) >> 5).astype(np.uint8)
     results = {}
-    with Agent(name="prefill", options={"timeout": 30}) as p:
+    # the prefill side serves digests only with integrity checks on (they cost it, not the asker)
+    with Agent(name="prefill", config=load_config(backend="host", options={"timeout": 30}, integrity=True)) as p:
         p.register_blocks("kv", src)
         endpoint = p.listen()
         for on in (False, True, False, True):  # interleaved: drift hits both alike
