@@ -55,7 +55,7 @@ import numpy as np
 
 from .. import integrity
 from ..agent import Agent, Transfer, fetch_info
-from ..errors import (ClosedError, HandshakeTimeout, IncompatiblePeer, InvalidArgument, KvtError,
+from ..errors import (ClosedError, ConfigError, HandshakeTimeout, IncompatiblePeer, InvalidArgument, KvtError,
                       PeerDisconnected, TransferTimeout, WireError)
 from ..types import Op, PrepHandle
 from ..wire import AgentInfo, BlockLayout
@@ -207,6 +207,10 @@ class ConnectorWorker:
         if self.config.staging:
             self._staging = HostStaging(buffers, self._copy)
             buffers = self._staging.host
+        elif self._checker is not None and any(t.device.type != "cpu" for t in buffers):
+            # kvt.integrity digests host memory: every read would fail its check
+            raise ConfigError(f"integrity checks digest host memory and this KV cache is on "
+                              f"{buffers[0].device}: set kv_buffer_device='cpu' (host staging) or turn them off")
         self._layout = self.agent.register_blocks(_LAYOUT, buffers)
         self._parts = 2 if spec.kv_layout == "joined" else 1
         self._card = WorkerCard(engine_id=self.config.engine_id, tp_rank=self.rank, tp_size=self.config.tp_size,

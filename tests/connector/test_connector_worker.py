@@ -192,6 +192,19 @@ def test_with_integrity_checks_the_prefill_side_holds_the_blocks_until_they_are_
     assert d.get_block_ids_with_load_errors() == set() and d.stats["verified"] == 1
 
 
+def test_with_integrity_checks_a_cache_off_the_host_is_refused_at_registration(monkeypatch):
+    """Digests are of host memory: a device KV cache without host staging
+    would fail every read's check, so it is refused when registered."""
+    from kvt.errors import ConfigError
+
+    monkeypatch.setenv("KVT_INTEGRITY", "1")
+    with ConnectorWorker(config("d")) as w:
+        shape = (2, BLOCKS, *SPEC.block_shape(1))
+        with pytest.raises(ConfigError, match="kv_buffer_device='cpu'"):
+            w.register_kv_caches({f"l{i}": torch.empty(shape, dtype=torch.float16, device="meta")
+                                  for i in range(SPEC.num_layers)})
+
+
 def test_notifications_for_requests_not_held_are_bounded(workers, monkeypatch):
     """A peer naming made-up requests, or one request with made-up readers,
     costs the prefill worker a bounded set-aside (oldest dropped); a real
