@@ -244,6 +244,8 @@ class Descs:
                 if not buf.is_contiguous():
                     raise InvalidArgument("tensor must be contiguous to be registered; call .contiguous() first")
                 dev = buf.device
+                if dev.type == "meta":  # data_ptr() is 0: a backend would read and write address 0
+                    raise InvalidArgument("a meta tensor has no memory to register; allocate it on a real device")
                 rows.append((buf.data_ptr(), buf.numel() * buf.element_size(), dev.index or 0))
                 kinds.add(MemKind.of_device(dev))
             elif isinstance(buf, np.ndarray):

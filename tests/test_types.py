@@ -66,6 +66,14 @@ def test_from_buffers_takes_kind_from_tensor_device():
         Descs.from_buffers([t.t()])
 
 
+
+def test_a_meta_tensor_is_refused():
+    """A meta tensor has no storage (``data_ptr()`` 0); it registered as a
+    DEVICE region at address 0."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(InvalidArgument, match="meta tensor"):
+        Descs.from_buffers([torch.empty(4, 64, device="meta")])
+
 def test_as_index_bounds():
     assert as_index(None, 3).tolist() == [0, 1, 2]
     with pytest.raises(InvalidArgument, match="out of range"):
