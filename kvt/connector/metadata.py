@@ -67,7 +67,7 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         # runs on parse too: a ValueError here is a ValidationError there
-        if any(int(e.rsplit(":", 1)[1]) > 65535 for e in self.remote_endpoints):
+        if any(not 1 <= int(e.rsplit(":", 1)[1]) <= 65535 for e in self.remote_endpoints):
             raise ValueError("remote_endpoints need tcp://host:port with a port of 1..65535")
         if self.remote_port and self.remote_port + self.tp_size - 1 > 65535:
             raise ValueError(f"remote_port {self.remote_port} + tp_size {self.tp_size} passes port 65535")

@@ -145,6 +145,8 @@ def test_transfer_params_parse():
     {"remote_endpoints": ["ipc:///run/some.sock"]},  # kvt serves tcp only: nothing else is connected to
     {"remote_endpoints": ["inproc://vllm-internal"]},
     {"remote_endpoints": ["tcp://h:99999"]},
+    {"remote_endpoints": ["tcp://h:0"]},  # no one serves port 0: it held a handshake thread, then failed the load
+    {"remote_endpoints": ["tcp://h:00000"]},
     {"remote_endpoints": ["tcp://h:1"] * 1025, "tp_size": 1025},
     {"remote_block_ids": [1, -1]},
     {"remote_block_ids": [2**63]},
