@@ -29,10 +29,11 @@ checked, as a corrupting network or DMA engine would leave them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import random
-from typing import Callable
+from typing import Callable, ContextManager
 
 import numpy as np
 
@@ -132,19 +133,23 @@ def compare(mine: np.ndarray, theirs: np.ndarray, what: str) -> None:
 
 
 def verify(mine: BlockLayout, local_ids, theirs: BlockLayout, remote_ids,
-           ask: Callable[[np.ndarray], np.ndarray], what: str) -> None:
+           ask: Callable[[np.ndarray], np.ndarray], what: str,
+           hold: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
     """Prove that ``local_ids`` of our ``mine`` hold what ``remote_ids`` of
     the peer's ``theirs`` hold: digest ours and get the peer's from
     ``ask(remote_ids_part)`` (one ``DigestRequest``), ``per_request(theirs)``
     ids at a time.  ``IntegrityError`` when they differ, and when the peer's
-    cannot be had (unverified counts as failed: the checks fail closed)."""
+    cannot be had (unverified counts as failed: the checks fail closed).
+    Each digest of our memory runs inside ``hold()``, which may raise a
+    ``KvtError`` when that memory is going away."""
     lids = as_index(local_ids, mine.num_blocks, "block ids")
     rids = as_index(remote_ids, theirs.num_blocks, "block ids")
     step = per_request(theirs)
     ours, peers = [], []
     try:
         for i in range(0, max(lids.size, 1), step):
-            ours.append(digest(mine, lids[i:i + step]))
+            with hold():
+                ours.append(digest(mine, lids[i:i + step]))
             peers.append(ask(rids[i:i + step]))
             if peers[-1].shape != ours[-1].shape:  # as many digests as ours, or unreadable
                 raise WireError(f"{peers[-1].nbytes} bytes of digests where {ours[-1].nbytes} were due")

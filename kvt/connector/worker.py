@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Mapping
@@ -80,7 +82,8 @@ QUIET = 10.0  # seconds between the warnings a peer's bad notifications can caus
 # handshake threads per worker: they mostly wait on the network, so a few peers that never answer
 # (params naming dead or silent endpoints) must not hold up the handshakes queued behind them
 HANDSHAKE_THREADS = 32
-# integrity checks: threads proving landed reads (each mostly waits on a peer's digests)
+# integrity checks: threads proving landed reads (each mostly waits on a peer's digests); one
+# check per prefill engine at a time, so a prefill engine that does not answer holds one thread
 CHECK_THREADS = 4
 # finished reads' timings kept until take_timings (an engine that never asks keeps the latest)
 MAX_TIMINGS = 1 << 16
@@ -125,6 +128,8 @@ class _Recv:
     retry_of: dict[str, bytes] | None = None
     first_error: str | None = None  # and why it failed the first time
     checking: Future | None = None  # integrity checks: proving the landed blocks
+    queued: bool = False     # waiting for its prefill engine's check before it to end
+    abandoned: bool = False  # its check is not wanted any more: the thread stops at its next step
 
 
 @dataclass
@@ -161,6 +166,9 @@ class ConnectorWorker:
         self._pool = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix=f"kvt-connector-handshake-{tp_rank}")
         self._checker = (ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix=f"kvt-connector-check-{tp_rank}")
                          if kvt_config.integrity else None)
+        self._check_queue: dict[str, deque[_Recv]] = {}  # per prefill engine: landed, awaiting their check
+        self._check_running: dict[str, _Recv] = {}       # per prefill engine: the one being checked
+        self._memory = threading.Lock()  # held while a check reads our blocks: shutdown waits for it
         # in flight per (engine, endpoints): one per remote engine, unless a request names other endpoints
         self._handshakes: dict[tuple, tuple[Future, RemoteSource]] = {}
         self._waiting: dict[tuple, list[tuple[str, RecvRequest]]] = {}
@@ -297,6 +305,7 @@ class ConnectorWorker:
     def outstanding(self) -> dict[str, int]:
         """What this worker still holds; all zero once every request settled."""
         return {"loading": len(self._loading), "transfers": self._live, "held": len(self._sends),
+                "checks": sum(not r.checking.done() for r in self._check_running.values()),
                 "early_notifs": len(self._early), "handshakes": len(self._handshakes),
                 "waiting": sum(map(len, self._waiting.values())), "retired": len(self._retired),
                 "unreported": len(self._done_sending) + len(self._done_recving) + len(self._invalid)}
@@ -615,42 +624,78 @@ class ConnectorWorker:
             self._reap()
 
     def _proving(self, recv: _Recv, now: float) -> bool:
-        """Integrity checks: True while ``recv``'s landed blocks are being
-        proven (started here on the first call); its error is set when they
-        could not be."""
+        """Integrity checks: True while ``recv``'s landed blocks wait for their
+        check or are being proven; its error is set when they could not be
+        within the budget (counted from when they landed)."""
         # each path's digests within a handshake_timeout (per_request ids at a time: once for most reads)
         budget = (self.config.handshake_timeout + _SLACK) * len(recv.remote.paths)
-        if recv.checking is None:
-            recv.checking = self._checker.submit(self._check, recv)
-            recv.deadline = now + budget
-            return True
-        if not recv.checking.done():
+        engine = recv.req.remote.engine_id
+        if not recv.queued:
+            recv.queued, recv.deadline = True, now + budget
+            self._check_queue.setdefault(engine, deque()).append(recv)
+        if recv.checking is None or recv.checking.done():
+            self._next_check(engine)  # ours, or the next one now that ours ended
+        if recv.checking is None or not recv.checking.done():
             if now < recv.deadline:
                 return True
             recv.error = f"IntegrityError: its blocks were not proven within {budget:g}s"
+            recv.abandoned = True
+            if recv.checking is not None:
+                recv.checking.cancel()
         elif (e := recv.checking.exception()) is not None:
             recv.error = f"{type(e).__name__}: {e}"
         return False
+
+    def _next_check(self, engine: str) -> None:
+        """Start the next check of ``engine``'s reads unless one is running."""
+        running = self._check_running.get(engine)
+        if running is not None and not running.checking.done():
+            return
+        queue = self._check_queue.get(engine)
+        while queue:
+            recv = queue.popleft()
+            if not recv.abandoned:
+                recv.checking = self._checker.submit(self._check, recv)
+                self._check_running[engine] = recv
+                return
+        self._check_queue.pop(engine, None)
+        self._check_running.pop(engine, None)
 
     def _check(self, recv: _Recv) -> None:
         """Checker thread: prove every path's landed blocks against the
         prefill rank's own (``IntegrityError`` otherwise)."""
         req, src = recv.req, recv.req.remote
         for path in recv.remote.paths:
-            integrity.maybe_flip(path.local, req.local_block_ids)  # the test hook: off unless set
+            with self._our_blocks(recv):
+                integrity.maybe_flip(path.local, req.local_block_ids)  # the test hook: off unless set
             integrity.verify(path.local, req.local_block_ids, path.remote, src.block_ids,
-                             partial(self._digests, path),
+                             partial(self._digests, recv, path),
                              f"read of {len(req.local_block_ids)} blocks of request {src.request_id!r} from "
-                             f"peer {path.peer!r}")
+                             f"peer {path.peer!r}", hold=partial(self._our_blocks, recv))
 
-    def _digests(self, path: _Path, ids: np.ndarray) -> np.ndarray:
+    @contextmanager
+    def _our_blocks(self, recv: _Recv):
+        """Checker thread: our blocks may be read inside (``shutdown`` waits
+        for that before it deregisters them); ``ClosedError`` once the worker
+        is shut down or the check abandoned."""
+        with self._memory:
+            self._check_wanted(recv)
+            yield
+
+    def _check_wanted(self, recv: _Recv) -> None:
+        if self._closed or recv.abandoned:
+            raise ClosedError("the check was given up (the worker shut down, or the request ran out of time)")
+
+    def _digests(self, recv: _Recv, path: _Path, ids: np.ndarray) -> np.ndarray:
         """The prefill rank's digests of ``ids`` of the part of its blocks ``path`` reads."""
+        self._check_wanted(recv)
         parts, offset, length = path.part
         return self.agent.ask_digests(path.endpoint, integrity.DigestRequest(
             layout=_LAYOUT, block_ids=ids.tobytes(), parts=parts, offset=offset, length=length))
 
     def _fail_hard(self, req_id: str, recv: _Recv, why: str) -> None:
         """Report ``req_id`` failed whatever state ``_finish`` left it in."""
+        recv.abandoned = True
         if self._loading.get(req_id) is recv:
             del self._loading[req_id]
             for t in recv.transfers:
@@ -665,6 +710,7 @@ class ConnectorWorker:
 
     def _finish(self, req_id: str, recv: _Recv) -> None:
         del self._loading[req_id]
+        recv.abandoned = True  # a check still queued or running is not wanted any more
         for t in recv.transfers:
             self._quietly(Transfer.release, t)
             self._live -= 1
@@ -759,6 +805,8 @@ class ConnectorWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._checker is not None:
             self._checker.shutdown(wait=False, cancel_futures=True)
+            with self._memory:  # a digest of our blocks in progress ends before they are deregistered
+                pass
         for recv in self._loading.values():
             for t in recv.transfers:
                 self._quietly(Transfer.release, t)

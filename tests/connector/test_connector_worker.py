@@ -192,6 +192,81 @@ def test_with_integrity_checks_the_prefill_side_holds_the_blocks_until_they_are_
     assert d.get_block_ids_with_load_errors() == set() and d.stats["verified"] == 1
 
 
+def _one_read(p, endpoint, d, engine, req_id, src_ids, dst_ids):
+    """Hand ``req_id`` off from prefill worker ``p`` (engine ``engine``) and
+    start decode worker ``d``'s read of it."""
+    psched = ConnectorScheduler(config(engine))
+    psched.set_worker_endpoints({0: endpoint})
+    params = handoff(psched, [p], src_ids, len(src_ids) * SPEC.block_size, req_id)
+    dsched = ConnectorScheduler(config("d"))
+    dreq = EngineRequest(f"d-{req_id}", len(src_ids) * SPEC.block_size, dict(params))
+    dsched.update_state_after_alloc(dreq, dst_ids, dsched.get_num_new_matched_tokens(dreq, 0)[0])
+    d.start_load_kv(dsched.build_connector_meta())
+
+
+def test_with_integrity_checks_shutdown_waits_for_a_digest_of_our_blocks(workers, monkeypatch):
+    """A check digests our blocks part by part between the peer's answers;
+    shutdown() returned while one was still going, and once the engine freed
+    its cache the next part read unmapped memory (the process segfaulted)."""
+    import threading
+
+    from kvt import integrity
+
+    monkeypatch.setenv("KVT_INTEGRITY", "1")
+    monkeypatch.setattr(integrity, "MAX_DIGEST_IDS", 1)  # one block per DigestRequest: several parts
+    p, _, endpoint = workers("p", fill=True)
+    d, _, _ = workers("d")
+    answered, go, real = threading.Event(), threading.Event(), d.agent.ask_digests
+    after_shutdown, closed, real_digest = [], threading.Event(), integrity.digest
+
+    def slow_answer(*args):
+        answered.set()
+        assert go.wait(20)
+        return real(*args)
+
+    def digest(layout, ids):
+        if closed.is_set() and set(layout.base_addrs) & ours:  # (the prefill side digests its own)
+            after_shutdown.append(len(ids))
+        return real_digest(layout, ids)
+
+    ours = set(d.agent.info().layouts["kv"].base_addrs)
+    monkeypatch.setattr(d.agent, "ask_digests", slow_answer)
+    monkeypatch.setattr(integrity, "digest", digest)
+    _one_read(p, endpoint, d, "p", "req", [1, 2, 3], [4, 5, 6])
+    pump([(d, [set(), set()]), (p, [set(), set()])], answered.is_set)  # first part digested, its answer pending
+    d.shutdown()
+    closed.set()
+    go.set()
+    time.sleep(0.5)
+    assert after_shutdown == []  # nothing of ours read once shutdown returned
+
+
+def test_with_integrity_checks_a_silent_prefill_engine_does_not_hold_up_the_others(workers, monkeypatch):
+    """Checks run one per prefill engine at a time: a prefill engine whose
+    side channel stopped answering digests held every checker thread, and
+    honest reads from other engines failed their checks waiting."""
+    import threading
+
+    monkeypatch.setenv("KVT_INTEGRITY", "1")
+    silent, sp_kv, silent_ep = workers("silent", fill=True)
+    good, _, good_ep = workers("good", fill=True)
+    d, _, _ = workers("d", handshake_timeout=1.0)
+    stop = threading.Event()
+    monkeypatch.setattr(silent.agent, "_digest", lambda req: stop.wait(20) and b"")  # never answers in time
+    try:
+        for i in range(40):  # ten times the checker threads, each ask waiting out handshake_timeout
+            _one_read(silent, silent_ep, d, "silent", f"s{i}", [i % 8 + 1], [i % 8 + 1])
+        done = [set(), set()]
+        pump([(d, done)], lambda: d.outstanding()["checks"] == 1)  # one silent engine: one thread
+        _one_read(good, good_ep, d, "good", "g", [1, 2], [10, 11])
+        pump([(d, done), (good, [set(), set()])], lambda: "d-g" in done[1], timeout=5)
+        assert not d.get_block_ids_with_load_errors() & {10, 11}
+        assert d.stats["verified"] == 1
+        assert d.outstanding()["checks"] == 1
+    finally:
+        stop.set()
+
+
 def test_with_integrity_checks_a_cache_off_the_host_is_refused_at_registration(monkeypatch):
     """Digests are of host memory: a device KV cache without host staging
     would fail every read's check, so it is refused when registered."""
