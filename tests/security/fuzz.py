@@ -233,13 +233,30 @@ def targets():
                     assert sched._secret is None or got == signed, f"read what the prefill engine did not sign: {got}"
         return msgspec.msgpack.encode(params), feed
 
+    def digest_request():
+        """What an agent with integrity checks on answers a (mutated) digest request: a
+        reply, never a crash, whatever the layout name, ids or slice of the blocks."""
+        from kvt import Agent, integrity
+        from kvt.config import load_config
+
+        agent = Agent(name="fz", config=load_config(backend="host", integrity=True))
+        buf = memory.empty((16, 4096))
+        agent.register_blocks("kv", [buf, buf])
+        seed = encode(integrity.DigestRequest(layout="kv", block_ids=np.array([1, 2, 15]).tobytes(),
+                                              parts=2, offset=8, length=16))
+
+        def feed(blob):
+            decode(agent._answer(blob), HandshakeReply)  # the side channel's handler: always a reply
+        feed.keep = (agent, buf)
+        return seed, feed
+
     def ucx_add_remote():
         from kvt_ucx.backend import UcxBackend
         return add_remote_of(UcxBackend, {"ucx": {"NET_DEVICES": "lo"}, "timeout": 2})
 
     return {f.__name__: f for f in (wire_agent_info, wire_handshake, host_add_remote, host_server,
                                     nixl_add_remote, nixl_rkey, nixl_address, ucx_add_remote,
-                                    kv_transfer_params)}
+                                    kv_transfer_params, digest_request)}
 
 
 def _kvt_only(e: BaseException) -> None:

@@ -28,7 +28,7 @@ def _installed(plugin: str, native: str) -> bool:
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.parametrize("target", ["wire_agent_info", "wire_handshake", "host_add_remote", "host_server",
                                     "nixl_add_remote", "nixl_rkey", "nixl_address", "ucx_add_remote",
-                                    "kv_transfer_params"])
+                                    "kv_transfer_params", "digest_request"])
 def test_fuzz_target(target, tmp_path):
     if target.startswith("nixl") and not _installed("kvt_nixl", "nixl"):
         pytest.skip("the nixl plugin is not installed")
