@@ -166,8 +166,10 @@ class ConnectorWorker:
         self._pool = ThreadPoolExecutor(HANDSHAKE_THREADS, thread_name_prefix=f"kvt-connector-handshake-{tp_rank}")
         self._checker = (ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix=f"kvt-connector-check-{tp_rank}")
                          if kvt_config.integrity else None)
-        self._check_queue: dict[str, deque[_Recv]] = {}  # per prefill engine: landed, awaiting their check
-        self._check_running: dict[str, _Recv] = {}       # per prefill engine: the one being checked
+        # per connection (engine id and endpoints, as handshakes: params naming an engine's id with other
+        # endpoints get a queue of their own): reads landed and awaiting their check, the one being checked
+        self._check_queue: dict[tuple, deque[_Recv]] = {}
+        self._check_running: dict[tuple, _Recv] = {}
         self._memory = threading.Lock()  # held while a check reads our blocks: shutdown waits for it
         # in flight per (engine, endpoints): one per remote engine, unless a request names other endpoints
         self._handshakes: dict[tuple, tuple[Future, RemoteSource]] = {}
@@ -305,7 +307,8 @@ class ConnectorWorker:
     def outstanding(self) -> dict[str, int]:
         """What this worker still holds; all zero once every request settled."""
         return {"loading": len(self._loading), "transfers": self._live, "held": len(self._sends),
-                "checks": sum(not r.checking.done() for r in self._check_running.values()),
+                "checks": (sum(not r.checking.done() for r in self._check_running.values())
+                           + sum(not r.abandoned for q in self._check_queue.values() for r in q)),
                 "early_notifs": len(self._early), "handshakes": len(self._handshakes),
                 "waiting": sum(map(len, self._waiting.values())), "retired": len(self._retired),
                 "unreported": len(self._done_sending) + len(self._done_recving) + len(self._invalid)}
@@ -620,6 +623,8 @@ class ConnectorWorker:
             except Exception as e:  # a bug must fail the request, never escape into the engine's step
                 log.exception("request %s: finishing its read failed", req_id)
                 self._fail_hard(req_id, recv, f"finishing the read failed: {type(e).__name__}: {e}")
+        for conn in [*self._check_queue.keys() | self._check_running.keys()]:
+            self._next_check(conn)  # drops the checks given up and the finished ones
         if self._retired:
             self._reap()
 
@@ -629,12 +634,12 @@ class ConnectorWorker:
         within the budget (counted from when they landed)."""
         # each path's digests within a handshake_timeout (per_request ids at a time: once for most reads)
         budget = (self.config.handshake_timeout + _SLACK) * len(recv.remote.paths)
-        engine = recv.req.remote.engine_id
+        conn = (recv.req.remote.engine_id, tuple(recv.req.remote.endpoints))
         if not recv.queued:
             recv.queued, recv.deadline = True, now + budget
-            self._check_queue.setdefault(engine, deque()).append(recv)
+            self._check_queue.setdefault(conn, deque()).append(recv)
         if recv.checking is None or recv.checking.done():
-            self._next_check(engine)  # ours, or the next one now that ours ended
+            self._next_check(conn)  # ours, or the next one now that ours ended
         if recv.checking is None or not recv.checking.done():
             if now < recv.deadline:
                 return True
@@ -646,20 +651,21 @@ class ConnectorWorker:
             recv.error = f"{type(e).__name__}: {e}"
         return False
 
-    def _next_check(self, engine: str) -> None:
-        """Start the next check of ``engine``'s reads unless one is running."""
-        running = self._check_running.get(engine)
+    def _next_check(self, conn: tuple) -> None:
+        """Start the next check of the reads through connection ``conn``
+        unless one is running; forget it once it has none."""
+        running = self._check_running.get(conn)
         if running is not None and not running.checking.done():
             return
-        queue = self._check_queue.get(engine)
+        queue = self._check_queue.get(conn)
         while queue:
             recv = queue.popleft()
             if not recv.abandoned:
                 recv.checking = self._checker.submit(self._check, recv)
-                self._check_running[engine] = recv
+                self._check_running[conn] = recv
                 return
-        self._check_queue.pop(engine, None)
-        self._check_running.pop(engine, None)
+        self._check_queue.pop(conn, None)
+        self._check_running.pop(conn, None)
 
     def _check(self, recv: _Recv) -> None:
         """Checker thread: prove every path's landed blocks against the

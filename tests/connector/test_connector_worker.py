@@ -241,30 +241,38 @@ def test_with_integrity_checks_shutdown_waits_for_a_digest_of_our_blocks(workers
     assert after_shutdown == []  # nothing of ours read once shutdown returned
 
 
-def test_with_integrity_checks_a_silent_prefill_engine_does_not_hold_up_the_others(workers, monkeypatch):
-    """Checks run one per prefill engine at a time: a prefill engine whose
-    side channel stopped answering digests held every checker thread, and
-    honest reads from other engines failed their checks waiting."""
+@pytest.mark.parametrize("silent_id", ["silent", "good"])
+def test_with_integrity_checks_a_silent_prefill_engine_does_not_hold_up_the_others(workers, monkeypatch,
+                                                                                    silent_id):
+    """Checks run one per connection at a time: a prefill engine whose side
+    channel stopped answering digests held every checker thread, and honest
+    reads from other engines failed their checks waiting.  Params naming an
+    honest engine's id with another (silent) endpoint get a queue of their
+    own, not the honest engine's."""
     import threading
 
     monkeypatch.setenv("KVT_INTEGRITY", "1")
-    silent, sp_kv, silent_ep = workers("silent", fill=True)
+    silent, _, silent_ep = workers(silent_id, fill=True)
     good, _, good_ep = workers("good", fill=True)
     d, _, _ = workers("d", handshake_timeout=1.0)
     stop = threading.Event()
     monkeypatch.setattr(silent.agent, "_digest", lambda req: stop.wait(20) and b"")  # never answers in time
     try:
         for i in range(40):  # ten times the checker threads, each ask waiting out handshake_timeout
-            _one_read(silent, silent_ep, d, "silent", f"s{i}", [i % 8 + 1], [i % 8 + 1])
+            _one_read(silent, silent_ep, d, silent_id, f"s{i}", [i % 8 + 1], [i % 8 + 1])
         done = [set(), set()]
-        pump([(d, done)], lambda: d.outstanding()["checks"] == 1)  # one silent engine: one thread
+        pump([(d, done)], lambda: d.outstanding()["checks"] == 40)  # one running, 39 queued
         _one_read(good, good_ep, d, "good", "g", [1, 2], [10, 11])
         pump([(d, done), (good, [set(), set()])], lambda: "d-g" in done[1], timeout=5)
         assert not d.get_block_ids_with_load_errors() & {10, 11}
         assert d.stats["verified"] == 1
-        assert d.outstanding()["checks"] == 1
+        pump([(d, done)], lambda: len(done[1]) == 41, timeout=20)  # the silent ones fail on their budget
     finally:
         stop.set()
+    assert d.stats["recv_failed"] == 40
+    assert d.get_block_ids_with_load_errors() == set(range(1, 9))
+    pump([(d, done)], lambda: not any(d.outstanding().values()))
+    assert not d._check_queue and not d._check_running  # nothing of the failed checks kept
 
 
 def test_with_integrity_checks_a_cache_off_the_host_is_refused_at_registration(monkeypatch):
