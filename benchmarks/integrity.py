@@ -4,8 +4,9 @@ between two agents with KVT_INTEGRITY off and on, side by side in one run.
     bench-quiet .venv/bin/python benchmarks/integrity.py [--block-kib 64] [--blocks 32] [--iters 200]
 
 Prints the median time per read (wait() included) and the ratio; the peer
-is another process on this host (host backend), so "on" pays for digesting
-both ends and one side-channel round trip.
+is another agent in this same process (host backend), so "on" pays for
+digesting both ends and one side-channel round trip, both ends' hashing
+sharing this process.
 """
 
 from __future__ import annotations
