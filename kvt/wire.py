@@ -57,9 +57,10 @@ class BlockLayout(msgspec.Struct, frozen=True, kw_only=True):
         if self.block_len <= 0 or self.stride < 0 or self.num_blocks < 0 or not 0 <= self.device < _MAX_ADDR:
             raise ValueError(f"layout needs block_len > 0, stride >= 0, num_blocks >= 0 and a valid "
                              f"device (got {self.block_len}, {self.stride}, {self.num_blocks}, {self.device})")
-        if self.num_blocks * len(self.base_addrs) > MAX_LAYOUT_ROWS:
-            raise ValueError(f"layout of {self.num_blocks} blocks x {len(self.base_addrs)} regions exceeds "
-                             f"the limit of {MAX_LAYOUT_ROWS} descriptor rows")
+        if not self.base_addrs or self.num_blocks * len(self.base_addrs) > MAX_LAYOUT_ROWS:
+            # (no regions would let num_blocks be anything: descs() and block-id checks size arrays by it)
+            raise ValueError(f"layout of {self.num_blocks} blocks x {len(self.base_addrs)} regions has no region "
+                             f"or exceeds the limit of {MAX_LAYOUT_ROWS} descriptor rows")
         span = (self.num_blocks - 1) * self.stride + self.block_len if self.num_blocks else 0
         if any(not 0 <= b or b + span > _MAX_ADDR for b in self.base_addrs):
             raise ValueError("layout region runs past the top of the address space")

@@ -100,9 +100,11 @@ def test_segment_naming_a_plain_file_is_not_mapped(owner):
     assert owner.ask("check")[0]  # guards intact (the region itself was legitimately written)
 
 
-@pytest.mark.parametrize("blocks,bases", [(2**26, 64), (2**40, 1), (17, 2**20)])
+@pytest.mark.parametrize("blocks,bases", [(2**26, 64), (2**40, 1), (17, 2**20), (2**40, 0), (2**64 - 1, 0)])
 def test_peer_layout_is_bounded_before_use(blocks, bases):
-    """num_blocks = 2**26 used to cost the victim GiBs when its descriptors were built."""
+    """num_blocks = 2**26 used to cost the victim GiBs when its descriptors were built;
+    with no regions any num_blocks passed the row limit (0 rows), and the first
+    transfer sized an array by it (fuzzing found 2**64 - 1)."""
     raw = msgspec.msgpack.encode({"v": 1, "t": "agent_info", "name": "p", "backend": "host", "metadata": b"",
                                   "layouts": {"kv": {"base_addrs": [4096] * bases, "block_len": 4096,
                                                      "num_blocks": blocks, "stride": 4096}}})
