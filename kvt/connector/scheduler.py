@@ -66,6 +66,30 @@ class EngineRequest:
     prompt_token_ids: Sequence[int] | None = None
 
 
+#: the longest request id the connector carries (kv_transfer_params name ids of at most this many characters)
+MAX_REQUEST_ID = 1024
+
+
+def _request_id(request: Request) -> str:
+    """The request's id as the step's metadata carries it; ``InvalidArgument``
+    when it cannot (not text, a lone surrogate a client put in a JSON id,
+    longer than ``MAX_REQUEST_ID``): refused before any state is kept, or
+    the step's metadata would fail to encode, for every request in it."""
+    rid = request.request_id
+    try:
+        if isinstance(rid, str) and len(rid) <= MAX_REQUEST_ID and rid.encode():
+            return rid
+    except UnicodeEncodeError:
+        pass
+    raise InvalidArgument(f"request id {str(rid)[:80]!r} cannot travel between engines (text of at most "
+                          f"{MAX_REQUEST_ID} characters, valid UTF-8): the request runs without the connector")
+
+
+def _ids(block_ids: Sequence[int]) -> list[int]:
+    """Block ids as Python ints (numpy's do not encode), without a per-id loop for a list."""
+    return block_ids if type(block_ids) is list else np.asarray(block_ids, np.int64).tolist()
+
+
 def prompt_identity(request: Request) -> bytes | None:
     """What a request's KV is computed from, as bytes: its prompt token ids
     (little-endian int64).  ``None`` when the request has none (prompt
@@ -193,7 +217,13 @@ class ConnectorScheduler:
         if sorted(endpoints) != list(range(self.config.tp_size)):
             raise InvalidArgument(f"need one endpoint per rank 0..{self.config.tp_size - 1}, got ranks "
                                   f"{sorted(endpoints)}")
-        self._endpoints = [endpoints[r] for r in range(self.config.tp_size)]
+        listed = [endpoints[r] for r in range(self.config.tp_size)]
+        try:  # as decode engines will parse them from our params
+            TransferParams.parse({"remote_endpoints": listed, "tp_size": len(listed)})
+        except InvalidArgument:
+            raise InvalidArgument(f"worker endpoints must be tcp://host:port strings (what register_kv_caches "
+                                  f"returns), got {listed[:4]!r}") from None
+        self._endpoints = listed
 
     # -- decode side ----------------------------------------------------------
 
@@ -204,11 +234,12 @@ class ConnectorScheduler:
         the tag of 100,000 block ids costs a millisecond); the used-once
         check runs every time."""
         params = request.kv_transfer_params
-        if isinstance(params, Mapping) and not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+        if params is None or (isinstance(params, Mapping)
+                              and not (params.get("do_remote_prefill") or params.get("do_remote_decode"))):
             # nothing to load or hand off (vLLM asks again after the load, both flags cleared): not parsed;
             # a prefill request's params (do_remote_decode) are, so malformed ones are refused before its hand-off
             return None
-        p = self._checked.get(request.request_id, params)
+        p = self._checked.get(_request_id(request), params)
         if p is None:
             p = TransferParams.parse(params)
             if p is None or not p.do_remote_prefill:
@@ -281,7 +312,8 @@ class ConnectorScheduler:
         ``do_remote_prefill``, so the request is not held as a prefill when
         it ends."""
         params, req_id = request.kv_transfer_params, request.request_id
-        if params and not params.get("do_remote_prefill") and params.get("do_remote_decode"):
+        if isinstance(params, Mapping) and not params.get("do_remote_prefill") and params.get("do_remote_decode"):
+            req_id = _request_id(request)
             if self.config.kv_role == "kv_consumer":  # held for nobody: its blocks would wait out the timeout
                 log.warning("request %s asks to be held for a decode engine (do_remote_decode), but this engine's "
                             "kv_role is kv_consumer: it runs as a plain request (fix the router)", req_id[:80])
@@ -291,9 +323,9 @@ class ConnectorScheduler:
                 self._stage(req_id, np.asarray(block_ids, np.int64))
             return
         p = self._source(request)
-        self._checked.discard(req_id)  # scheduled: asked no more
         if p is None:
             return
+        self._checked.discard(req_id)  # scheduled: asked no more
         end = self._end_block(request, p)
         start = end - -(-max(num_external_tokens, 0) // self.config.kv.block_size)  # ceil: a partial block is re-read
         # nothing to load (a prefix hit, or vLLM computing it itself, e.g. for
@@ -305,7 +337,7 @@ class ConnectorScheduler:
         if params.get("do_remote_decode"):
             params["do_remote_decode"] = False  # a decode request (see above), never held as a prefill
         if p.remote_block_ids:
-            self._recv(request.request_id, p, list(block_ids[start:end]), p.remote_block_ids[start:end])
+            self._recv(req_id, p, _ids(block_ids[start:end]), p.remote_block_ids[start:end])
 
     def _stage(self, req_id: str, ids: np.ndarray) -> None:
         """Host staging: save the blocks of ``ids`` this step fills.  Blocks
@@ -360,9 +392,15 @@ class ConnectorScheduler:
         a request that ends before its read was scheduled tells the prefill
         side to free now."""
         req_id, params = request.request_id, request.kv_transfer_params
-        checked = self._checked.pop(req_id, params)
-        if not params:
+        if not isinstance(params, Mapping) or not params:  # (malformed ones were refused when scheduled)
             return False, None
+        if params.get("do_remote_prefill") or params.get("do_remote_decode"):
+            try:
+                req_id = _request_id(request)
+            except InvalidArgument as e:
+                log.warning("%s", e)
+                return False, None
+        checked = self._checked.pop(req_id, params)
         if params.get("do_remote_prefill"):  # decode side, never scheduled (wins over do_remote_decode)
             params["do_remote_prefill"] = False
             if params.get("do_remote_decode"):
@@ -394,7 +432,7 @@ class ConnectorScheduler:
         if full:
             self._to_send[req_id] = expires_at
         out = TransferParams(
-            do_remote_prefill=True, remote_block_ids=list(block_ids[:full]), remote_engine_id=self.config.engine_id,
+            do_remote_prefill=True, remote_block_ids=_ids(block_ids[:full]), remote_engine_id=self.config.engine_id,
             remote_request_id=req_id, remote_host=self.config.side_channel_host,
             remote_port=self.config.side_channel_port or None, tp_size=self.config.tp_size,
             remote_endpoints=list(self._endpoints), expires_at=expires_at,

@@ -186,7 +186,7 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
                                                 connector_output.finished_recving or ())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         producer = bool(params.get("do_remote_decode"))
         self._staged.pop(request.request_id, None)
         # a prefill request is handed off when it finished normally (its token limit or a stop

@@ -541,3 +541,74 @@ def test_params_with_a_lone_surrogate_are_malformed_not_a_unicode_error(field):
     with pytest.raises(InvalidArgument, match="malformed"):
         dsched.get_num_new_matched_tokens(EngineRequest("q", 8, params), 0)
     dsched.build_connector_meta().encode()  # the step goes on
+
+
+def _prefill_scheduler():
+    psched = ConnectorScheduler(config("p"))
+    psched.set_worker_endpoints({0: "tcp://127.0.0.1:7000"})
+    return psched
+
+
+@pytest.mark.parametrize("bad_id", ["cmpl-\ud800-0", 7, "r" * 1025])
+def test_a_request_id_that_cannot_travel_is_refused_before_any_state(bad_id):
+    """A client's JSON request id with a lone surrogate (or a non-str id)
+    was recorded for hand-off first, then failed to encode: that step's
+    metadata was lost, a valid request's hold with it."""
+    from kvt.connector.metadata import ConnectorMetadata
+    from kvt.errors import InvalidArgument
+
+    psched = _prefill_scheduler()
+    assert psched.request_finished(EngineRequest(bad_id, 12, {"do_remote_decode": True}), [4, 5, 6]) == (False, None)
+    delay, params = psched.request_finished(EngineRequest("fine", 12, {"do_remote_decode": True}), [1, 2, 3])
+    assert delay and params["remote_block_ids"] == [1, 2, 3]
+    meta = ConnectorMetadata.decode(psched.build_connector_meta().encode())
+    assert set(meta.reqs_to_send) == {"fine"}
+    dsched = ConnectorScheduler(config("d"))
+    req = EngineRequest(bad_id, 12, dict(params))
+    with pytest.raises(InvalidArgument, match="cannot travel"):  # the decode side: computed locally
+        dsched.get_num_new_matched_tokens(req, 0)
+    with pytest.raises(InvalidArgument, match="cannot travel"):
+        dsched.update_state_after_alloc(req, [0, 1, 2], 12)
+    dsched.build_connector_meta().encode()
+    # a plain request is not the connector's business, whatever its id
+    assert dsched.get_num_new_matched_tokens(EngineRequest(bad_id, 12, None), 0) == (0, False)
+
+
+def test_numpy_block_ids_are_handed_off_and_scheduled():
+    """numpy ids were accepted, then failed to encode in the step's metadata."""
+    from kvt.connector.metadata import ConnectorMetadata
+
+    psched = _prefill_scheduler()
+    _, params = psched.request_finished(EngineRequest("p", 12, {"do_remote_decode": True}), np.array([4, 5, 6]))
+    assert params["remote_block_ids"] == [4, 5, 6] and type(params["remote_block_ids"][0]) is int
+    psched.build_connector_meta().encode()
+    dsched = ConnectorScheduler(config("d"))
+    req = EngineRequest("d", 12, dict(params))
+    n, _ = dsched.get_num_new_matched_tokens(req, 0)
+    dsched.update_state_after_alloc(req, np.arange(3), n)
+    meta = ConnectorMetadata.decode(dsched.build_connector_meta().encode())
+    assert meta.reqs_to_recv["d"].local_block_ids == [0, 1, 2]
+
+
+@pytest.mark.parametrize("endpoint", ["garbage", "tcp://h:abc", 5, None])
+def test_worker_endpoints_are_checked_when_set(endpoint):
+    from kvt.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="tcp://host:port"):
+        ConnectorScheduler(config("p")).set_worker_endpoints({0: endpoint})
+
+
+@pytest.mark.parametrize("params", ["do_remote_prefill", ["x"], 5])
+def test_params_that_are_not_an_object_never_raise_past_a_typed_refusal(params):
+    """get_num_new_matched_tokens refused them; update_state_after_alloc and
+    request_finished raised AttributeError (into the engine's step)."""
+    from kvt.errors import InvalidArgument
+
+    sched = _prefill_scheduler()
+    req = EngineRequest("r", 12, params)
+    with pytest.raises(InvalidArgument):
+        sched.get_num_new_matched_tokens(req, 0)
+    with pytest.raises(InvalidArgument):
+        sched.update_state_after_alloc(req, [0, 1, 2], 12)
+    assert sched.request_finished(req, [0, 1, 2]) == (False, None)
+    sched.build_connector_meta().encode()

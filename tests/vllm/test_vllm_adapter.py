@@ -112,6 +112,19 @@ def test_update_state_after_alloc_with_nothing_to_load_and_a_first_chunk_of_bloc
                                                                  "saving"), 0)
 
 
+@pytest.mark.parametrize("params", ["do_remote_decode", ["x"], 5])
+def test_params_that_are_not_an_object_do_not_raise_into_the_step(scheduler, params):
+    """A client's kv_transfer_params may be any JSON value: request_finished
+    called .get on them (AttributeError into vLLM's scheduler)."""
+    req = RequestDouble("d1", 3 * BLOCK, params)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)  # refused: computed here
+    scheduler.update_state_after_alloc(req, blocks(7, 8, 9), 0)
+    assert scheduler.request_finished(req, [7, 8, 9]) == (False, None)
+    # and a request that finishes without having been asked about (e.g. aborted while waiting)
+    assert scheduler.request_finished(RequestDouble("d2", 3 * BLOCK, params), [1, 2, 3]) == (False, None)
+    assert not _recv_of(scheduler.build_connector_meta(None))
+
+
 def test_kv_role_from_vllm_decides_what_the_engine_does():
     """A ``kv_consumer`` (decode) engine asked to hold a request for readers
     runs it as a plain one (its blocks freed at once, not after
