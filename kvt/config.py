@@ -17,6 +17,7 @@ docs/configuration.md.
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import os
 import stat
@@ -83,14 +84,19 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shared_options: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        # ``Config(...)`` does not check field types (``msgspec.convert`` does): check each the way
+        # load_config does, unless this instance is being built by one of those conversions
+        if not _converting.get():
+            for field in _FIELDS:
+                _check(field, getattr(self, field), "Config(...)")
         if self.auth_key_file is not None:
             if self.auth_key is not None:
-                raise ValueError("set auth_key or auth_key_file, not both")
+                raise ConfigError("set auth_key or auth_key_file, not both")
             # read once: the key is what the config holds from now on, so a copy rebuilt from its
             # fields (pickled to a child process, converted) has auth_key alone and reads nothing
             self.auth_key, self.auth_key_file = _read_key(self.auth_key_file), None
         if self.auth_key is not None and len(self.auth_key) < MIN_KEY_CHARS:
-            raise ValueError(f"auth_key must be at least {MIN_KEY_CHARS} characters; generate one with "
+            raise ConfigError(f"auth_key must be at least {MIN_KEY_CHARS} characters; generate one with "
                              "python -c 'import secrets; print(secrets.token_hex(32))'")
         if self.discovery is not None:  # a typo in the URL shows now, not at the first connect by name
             from .discovery import parse_url
@@ -98,13 +104,13 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             try:
                 parse_url(self.discovery)
             except ConfigError as e:
-                raise ValueError(str(e)) from None
+                raise ConfigError(str(e)) from None
         if "auth_key" in self.options:
-            raise ValueError("auth_key is a configuration field, not a backend option: set auth_key in "
+            raise ConfigError("auth_key is a configuration field, not a backend option: set auth_key in "
                              f"the config file or {ENV_AUTH_KEY}")
         timeout = self.options.get("timeout", self.transfer_timeout)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_SECONDS:
-            raise ValueError(f"options.timeout must be a positive number of seconds, at most {MAX_SECONDS:g}, "
+            raise ConfigError(f"options.timeout must be a positive number of seconds, at most {MAX_SECONDS:g}, "
                              f"got {timeout!r}")
         self.options = {**self.options, "timeout": timeout}
 
@@ -151,11 +157,12 @@ def _read_key(path: str) -> str:
     try:
         return _read_bounded(path, MAX_KEY_FILE_BYTES).decode("utf-8").strip()
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"cannot read auth_key_file {path}: {getattr(e, 'strerror', None) or e}") from None
+        raise ConfigError(f"cannot read auth_key_file {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
 _FIELDS = tuple(f for f in Config.__struct_fields__ if f != "shared_options")  # settable ones
-_DEFAULTS = Config()
+#: set while ``msgspec.convert`` builds a Config from values it type-checks itself
+_converting: contextvars.ContextVar[bool] = contextvars.ContextVar("kvt_config_converting", default=False)
 
 
 def _unknown(key: str, source: str, valid: tuple[str, ...]) -> ConfigError:
@@ -173,6 +180,9 @@ def _read_toml(path: str | os.PathLike, source: str) -> dict[str, Any]:
         raise ConfigError(f"config file {source} is not UTF-8 text: {e}") from None
     except ValueError as e:  # not a regular file, too long, or a NUL in the path
         raise ConfigError(f"cannot read config file {source}: {e}") from None
+    except TypeError:  # pathlib takes str or os.PathLike (of str) only
+        raise ConfigError(f"config file path {source} must be a str or os.PathLike, "
+                          f"got {type(path).__name__}") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -199,6 +209,7 @@ def _split_file(data: dict[str, Any], source: str) -> tuple[dict[str, Any], dict
 
 def _check(field: str, value: Any, source: str) -> None:
     """Validate one field alone so that the error names it and its source."""
+    token = _converting.set(True)
     try:
         msgspec.convert({field: value}, Config)
     except msgspec.ValidationError as e:
@@ -207,6 +218,11 @@ def _check(field: str, value: Any, source: str) -> None:
             value = {**value, _SECRET_FIELDS[0]: "***"}
         shown = "***" if field in _SECRET_FIELDS else repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise ConfigError(f"invalid {field} = {shown} from {source}: {why}") from e
+    finally:
+        _converting.reset(token)
+
+
+_DEFAULTS = Config()
 
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -292,7 +308,10 @@ def load_config(backend: str | None = None, options: Mapping[str, Any] | None = 
     explicit_options = _as_dict(options)
     values["shared_options"] = (frozenset(explicit_options) if shared else frozenset()).union(
         frozenset(file_options).difference(tables.get(chosen, {}), explicit_options))
+    token = _converting.set(True)  # every field was checked above
     try:
         return msgspec.convert(values, Config)
-    except msgspec.ValidationError as e:  # every field was checked above; kept as a backstop
+    except msgspec.ValidationError as e:  # kept as a backstop
         raise ConfigError(f"invalid configuration: {e}") from e
+    finally:
+        _converting.reset(token)

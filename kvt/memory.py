@@ -147,8 +147,18 @@ def _forget(addr: int, fd: int) -> None:
 
 def empty(shape: Any, dtype: Any = np.uint8) -> np.ndarray:
     """A zero-filled, pre-faulted numpy array in a new shared segment."""
-    dtype = np.dtype(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument(f"dtype {dtype!r} is not a numpy dtype; pass one such as np.uint8 or 'float16'") from None
+    if dtype.hasobject:
+        raise InvalidArgument(f"dtype {dtype} holds Python objects, which cannot live in shared memory; "
+                              "pass a numeric dtype")
     nbytes = _nbytes(shape, dtype.itemsize)
+    ram = _physical_memory()
+    if ram is not None and nbytes > ram:  # the segment is pre-faulted: more than RAM gets us OOM-killed
+        raise InvalidArgument(f"shape {shape} of {dtype} is {nbytes} bytes, more than this machine's "
+                              f"{ram} bytes of physical memory; allocate less")
     kind, _ = page_policy(max(nbytes, 1))
     kinds = [kind] + (["thp"] if kind == "hugetlb" and _shmem_thp() in _THP_ON else []) + (["4k"] if kind != "4k" else [])
     for kind in kinds:
@@ -165,6 +175,15 @@ def empty(shape: Any, dtype: Any = np.uint8) -> np.ndarray:
         _kinds[addr] = kind
     weakref.finalize(mm, _forget, addr, fd)
     return flat[:nbytes].view(dtype).reshape(shape)
+
+
+def _physical_memory() -> int | None:
+    """Bytes of physical memory, or None when the system does not say."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    return ram if ram > 0 else None  # sysconf answers -1 for "unknown"
 
 
 _MAX_BYTES = 1 << 62  # no machine maps more; beyond it numpy's int64 sizes would wrap

@@ -118,6 +118,10 @@ def list_backends() -> list[BackendInfo]:
 
 def _not_found(name: str, installed: list[str]) -> BackendNotFound:
     have = ", ".join(sorted(set(installed))) or "none"
+    if not isinstance(name, str):  # None, a number, a list...: no entry point is named by one
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+        return BackendNotFound(f"a backend name must be a str such as 'host', got {type(name).__name__} {shown}. "
+                               f"Installed backends: {have}.")
     dist = KNOWN.get(name)
     if dist is None:
         close = difflib.get_close_matches(name, [*installed, *KNOWN], n=1)

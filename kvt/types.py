@@ -9,6 +9,7 @@ engines move 100,000 blocks at a time.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, NewType, Sequence
 
@@ -145,7 +146,13 @@ def as_index(idx: Any, n: int, what: str = "index") -> np.ndarray:
     """Normalise ``idx`` (None = all, int sequence, array) to int64 and bounds-check it."""
     if idx is None:
         return np.arange(n, dtype=np.int64)
-    arr = idx if type(idx) is np.ndarray else np.asarray(idx)
+    if type(idx) is np.ndarray:
+        arr = idx
+    else:
+        try:
+            arr = np.asarray(idx)
+        except (TypeError, ValueError, OverflowError):  # e.g. ragged [[1], [1, 2]]
+            raise InvalidArgument(f"{what} must be a 1-D sequence of ints, got {_shown(idx)}") from None
     if arr.dtype != _INT64 or arr.ndim != 1:
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise InvalidArgument(f"{what} must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
@@ -159,6 +166,34 @@ def as_index(idx: Any, n: int, what: str = "index") -> np.ndarray:
 
 
 _INT64 = np.dtype(np.int64)
+_U64_LIMIT = 1 << 64
+
+
+def _shown(value: Any) -> str:
+    """``value``'s repr for an error message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _as_u64(value: Any, what: str) -> np.ndarray:
+    """``value`` as a uint64 array; ``InvalidArgument`` naming ``what`` for a
+    negative, too large or non-integer value (numpy's OverflowError, ValueError)."""
+    try:
+        return np.asarray(value, dtype=np.uint64)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgument(f"{what} must be integers in [0, 2**64), got {_shown(value)}") from None
+
+
+def _u64_scalar(value: Any, what: str) -> int:
+    """``value`` as an int in [0, 2**64), or ``InvalidArgument`` naming ``what``."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{what} must be an int in [0, 2**64), got {type(value).__name__} "
+                              f"{_shown(value)}") from None
+    if not 0 <= n < _U64_LIMIT:
+        raise InvalidArgument(f"{what} must be an int in [0, 2**64), got {n}")
+    return n
 
 
 def row_ends(addrs: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -183,7 +218,11 @@ class Descs:
     __slots__ = ("array", "kind", "tensors", "_uniform")
 
     def __init__(self, array: Any, kind: MemKind | str = MemKind.DRAM, tensors: Sequence[Any] = ()):
-        arr = np.asarray(array)
+        try:
+            arr = np.asarray(array)
+        except (TypeError, ValueError, OverflowError):  # e.g. ragged rows [[1, 2, 3], [1, 2]]
+            raise InvalidArgument("descriptors must have shape (n, 3) of (address, length, device) "
+                                  f"integers, got {_shown(array)}") from None
         if arr.size == 0:
             arr = arr.reshape(0, 3)
         if arr.ndim != 2 or arr.shape[1] != 3:
@@ -207,7 +246,12 @@ class Descs:
     def from_regions(cls, addrs: Any, lengths: Any, devices: Any = 0,
                      kind: MemKind | str = MemKind.DRAM) -> "Descs":
         """Rows from parallel address/length(/device) sequences (broadcast)."""
-        a, l, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.uint64) for x in (addrs, lengths, devices)))
+        cols = [_as_u64(x, what) for x, what in ((addrs, "addrs"), (lengths, "lengths"), (devices, "devices"))]
+        try:
+            a, l, d = np.broadcast_arrays(*cols)
+        except ValueError:
+            raise InvalidArgument("addrs, lengths and devices must have the same length (or be scalars), got "
+                                  f"shapes {', '.join(str(c.shape) for c in cols)}") from None
         return cls(np.stack([a.ravel(), l.ravel(), d.ravel()], axis=1), kind)
 
     @classmethod
@@ -217,13 +261,14 @@ class Descs:
         """Block descriptors ``base + id * stride`` for every base (e.g. one
         per layer) and every block id, base-major.  Vectorised: 100,000 blocks
         cost one numpy broadcast."""
-        bases = np.atleast_1d(np.asarray(base_addrs, dtype=np.uint64))
-        ids = np.asarray(block_ids, dtype=np.uint64).ravel()
-        step = np.uint64(block_len if stride is None else stride)
+        bases = _as_u64(base_addrs, "base_addrs").ravel()
+        ids = _as_u64(block_ids, "block_ids").ravel()
+        block_len = _u64_scalar(block_len, "block_len")
+        step = np.uint64(block_len if stride is None else _u64_scalar(stride, "stride"))
         rows = np.empty((len(bases), len(ids), 3), np.uint64)
         np.add(bases[:, None], ids[None, :] * step, out=rows[:, :, 0])
         rows[:, :, 1] = block_len
-        rows[:, :, 2] = device
+        rows[:, :, 2] = _u64_scalar(device, "device")
         return cls(rows.reshape(-1, 3), kind)
 
     @classmethod

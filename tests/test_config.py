@@ -241,3 +241,50 @@ def test_a_key_read_from_its_file_survives_copies_and_is_never_shown(tmp_path):
     assert pickle.loads(pickle.dumps(cfg)).auth_key == key
     assert msgspec.convert(msgspec.to_builtins(cfg), Config).auth_key == key
     assert cfg.shown()["auth_key"] == "***" and key not in repr(cfg) + repr(cfg.shown())
+
+
+# -- Config(...) built directly is checked like load_config's values, with ConfigError --
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"auth_key": "a"}, "auth_key must be at least"),
+    ({"options": {"timeout": "x"}}, "options.timeout must be a positive number"),
+    ({"options": {"auth_key": "k" * 40}}, "not a backend option"),
+    ({"discovery": "http://x"}, "unknown scheme 'http'"),
+    ({"auth_key_file": "/nonexistent/kvt-key"}, "cannot read auth_key_file"),
+    ({"listen_port": "x"}, "invalid listen_port = 'x' from Config(...): Expected `int`, got `str`"),
+    ({"listen_port": 65536}, "invalid listen_port = 65536"),
+    ({"handshake_timeout": -1}, "invalid handshake_timeout = -1"),
+    ({"transfer_timeout": float("inf")}, "invalid transfer_timeout"),
+    ({"backend": 5}, "invalid backend = 5"),
+    ({"integrity": "yes"}, "invalid integrity = 'yes'"),
+    ({"options": [1, 2]}, "invalid options = [1, 2]"),
+])
+def test_config_built_directly_raises_config_error(kwargs, says):
+    with pytest.raises(ConfigError) as e:
+        Config(**kwargs)
+    assert says in str(e.value)
+
+
+def test_config_built_directly_hides_a_bad_key():
+    with pytest.raises(ConfigError) as e:
+        Config(auth_key="short-secret")
+    assert "short-secret" not in str(e.value)
+
+
+def test_both_key_and_key_file_built_directly_is_a_config_error(tmp_path):
+    (tmp_path / "key").write_text("k" * 40)
+    with pytest.raises(ConfigError, match="not both"):
+        Config(auth_key="k" * 40, auth_key_file=str(tmp_path / "key"))
+
+
+@pytest.mark.parametrize("path", [5, b"/etc/hostname", 1.5])
+def test_a_path_that_is_not_a_path_is_a_config_error(path):
+    with pytest.raises(ConfigError, match="must be a str or os.PathLike"):
+        load_config(path=path, env={})
+
+
+def test_agent_refuses_a_config_that_is_not_a_config():
+    from kvt import Agent
+
+    with pytest.raises(ConfigError, match=r"kvt\.load_config"):
+        Agent(config={"backend": "host"})

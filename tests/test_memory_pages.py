@@ -65,3 +65,33 @@ def test_hugetlb_refused_falls_back_cleanly(system):
     arr = memory.empty(2 << 20)
     assert memory.page_kind(arr) == ("hugetlb" if real else "4k")
     _usable(arr)
+
+
+# -- malformed or impossible requests are refused before anything is mapped --
+
+def test_empty_refuses_an_unknown_dtype():
+    from kvt.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="not a numpy dtype"):
+        memory.empty(10, "nope")
+    with pytest.raises(InvalidArgument, match="Python objects"):
+        memory.empty(10, object)
+
+
+def test_empty_refuses_more_than_physical_memory(monkeypatch):
+    """A pre-faulted segment larger than RAM would get the process OOM-killed."""
+    import os
+
+    from kvt.errors import InvalidArgument
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def no_mapping(*_):  # only sizes that must be refused are tried here: nothing may be mapped
+        raise AssertionError("empty() mapped a segment larger than physical memory")
+
+    monkeypatch.setattr(memory, "_map", no_mapping)
+    for nbytes in (ram + 1, 2**40 if 2**40 > ram else 2 * ram):
+        with pytest.raises(InvalidArgument, match="physical memory"):
+            memory.empty(nbytes)
+    with pytest.raises(InvalidArgument, match="physical memory"):
+        memory.empty((ram // 8 + 1,), np.float64)

@@ -171,3 +171,12 @@ def test_create_maps_native_constructor_errors(fake_plugins):
     with pytest.raises(BackendUnavailable, match="failed to start: OSError: fake device /dev/fake0 is busy") as e:
         registry.create_backend("failinginit", "a")
     assert isinstance(e.value.__cause__, OSError)
+
+
+@pytest.mark.parametrize("name", [None, 5, b"host", ["host"]])
+def test_a_name_that_is_not_a_str_is_not_found_and_lists_installed(name):
+    with pytest.raises(BackendNotFound, match="must be a str") as e:
+        registry.load_backend(name)
+    assert "Installed backends:" in str(e.value) and "host" in str(e.value)
+    with pytest.raises(BackendNotFound, match="must be a str"):
+        registry.probe(name)

@@ -87,3 +87,36 @@ def test_xfer_state_err_carries_cause():
     s = XferState.err(cause)
     assert s.failed and s.cause is cause and s.status is Status.ERR
     assert XferState.DONE.done and XferState.PROC.pending
+
+
+# -- numpy's errors on malformed input surface as InvalidArgument naming the argument --
+
+@pytest.mark.parametrize("call, names", [
+    (lambda: Descs.from_blocks([4096], 16, [-1]), "block_ids"),
+    (lambda: Descs.from_blocks([-4096], 16, [0]), "base_addrs"),
+    (lambda: Descs.from_blocks([4096], -16, [0]), "block_len"),
+    (lambda: Descs.from_blocks([4096], 2**70, [0]), "block_len"),
+    (lambda: Descs.from_blocks([4096], "16", [0]), "block_len"),
+    (lambda: Descs.from_blocks([4096], 16, [0], stride=-1), "stride"),
+    (lambda: Descs.from_blocks([4096], 16, [0], device=-1), "device"),
+    (lambda: Descs.from_blocks([4096], 16, ["a"]), "block_ids"),
+    (lambda: Descs.from_regions([-1], [1]), "addrs"),
+    (lambda: Descs.from_regions([1], [2**64]), "lengths"),
+    (lambda: Descs.from_regions(["a"], [1]), "addrs"),
+    (lambda: Descs.from_regions([1], [1], devices=[-1]), "devices"),
+    (lambda: Descs.from_regions([1, 2], [1, 2, 3]), "same length"),
+    (lambda: Descs([[1, 2, 3], [1, 2]]), "shape \\(n, 3\\)"),
+    (lambda: as_index([[1], [1, 2]], 5), "index"),
+    (lambda: as_index([[1], [1, 2]], 5, "local_ids"), "local_ids"),
+])
+def test_malformed_inputs_raise_invalid_argument_naming_it(call, names):
+    with pytest.raises(InvalidArgument, match=names):
+        call()
+
+
+def test_from_blocks_still_takes_numpy_scalars_and_2d_bases():
+    d = Descs.from_blocks(np.array([[1000]], np.uint64), np.int64(16), np.array([[0, 1]]),
+                          stride=np.uint64(32), device=np.int32(1))
+    assert d.array.tolist() == [[1000, 16, 1], [1032, 16, 1]]
+    top = Descs.from_blocks([0], 2**64 - 1, [0])  # the largest length still fits
+    assert int(top.lengths[0]) == 2**64 - 1
