@@ -14,7 +14,6 @@ Block ids become descriptor indices with one numpy broadcast; each
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import socket
@@ -29,8 +28,8 @@ import numpy as np
 from . import registry
 from .config import Config, load_config
 from .auth import NotifSeal, Secret
-from .backend import Inbox
-from .errors import (AuthenticationError, ClosedError, HandshakeError, IncompatiblePeer, IntegrityError,
+from .backend import Inbox, seconds as _seconds
+from .errors import (AuthenticationError, ClosedError, ConfigError, HandshakeError, IncompatiblePeer, IntegrityError,
                      InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError, PeerDisconnected, ServerBusy,
                      TransferTimeout, UnknownPeer, UnsupportedOperation, WireError)
 from . import integrity
@@ -71,15 +70,26 @@ def _refusal(e: Exception) -> bytes:
                                  else f"ServerBusy: {e}" if isinstance(e, ServerBusy) else "malformed request"))
 
 
-def _seconds(timeout: Any, what: str) -> float:
-    """``timeout`` as seconds: a finite real number (a negative one counts as
-    0: look once).  NaN would never expire and infinity never end a wait, so
-    both are refused, as is anything but a number."""
-    if isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(timeout, bool):
-        t = float(timeout)
-        if math.isfinite(t):
-            return max(t, 0.0)
-    raise InvalidArgument(f"{what} must be a finite number of seconds, got {timeout!r}")
+#: the longest agent or layout name (they travel in every handshake and notification)
+MAX_NAME_CHARS = 256
+
+
+def _peer_name(peer: Any) -> str:
+    """``peer`` if it can name a peer; ``UnknownPeer`` otherwise (no peer has such a name)."""
+    if not isinstance(peer, str):
+        raise UnknownPeer(f"unknown peer {peer!r}: peer names are str (what connect() and add_peer() return)")
+    return peer
+
+
+def _name(value: Any, what: str) -> str:
+    """``value`` if it is a usable agent or layout name, else ``InvalidArgument``."""
+    try:
+        if isinstance(value, str) and 0 < len(value) <= MAX_NAME_CHARS and value.encode():
+            return value
+    except UnicodeEncodeError:
+        pass
+    raise InvalidArgument(f"{what} must be text of 1..{MAX_NAME_CHARS} characters (valid UTF-8), "
+                          f"got {str(value)[:80]!r}")
 
 
 def poll_until(check, timeout: float, what: str):
@@ -289,8 +299,12 @@ class Agent:
 
     def __init__(self, name: str | None = None, backend: str | None = None,
                  options: Mapping[str, Any] | None = None, *, config: Config | None = None):
+        if config is not None and not isinstance(config, Config):
+            raise ConfigError(f"config must be a kvt.Config, got {type(config).__name__}; pass the result of "
+                              "kvt.load_config(...) (e.g. kvt.load_config(**settings) for a dict of settings)")
         self.config = config or load_config(backend=backend, options=options)
-        self.name = name or self.config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.name = _name(name or self.config.name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+                          "an agent name")
         self.backend_name = self.config.backend
         #: the shared ``auth_key`` every peer must prove (kvt.auth), or None
         self.secret = None if self.config.auth_key is None else Secret(self.config.auth_key)
@@ -338,9 +352,16 @@ class Agent:
         per layer, or per K and V) as the named layout peers address by block id.
         Re-registering a layout replaces it."""
         self._check_open()
+        _name(layout, "a layout name")
+        if isinstance(buffers, (str, bytes)) or not hasattr(buffers, "__iter__"):
+            raise InvalidArgument(f"register_blocks takes a list of block-first buffers, got {type(buffers).__name__}")
         buffers = list(buffers)
         if not buffers:
             raise InvalidArgument("register_blocks needs at least one buffer")
+        if any(len(getattr(b, "shape", ())) < 1 or b.shape[0] < 1 or not getattr(b, "size", 0) for b in buffers):
+            raise InvalidArgument("register_blocks takes block-first buffers with at least one block of at least "
+                                  f"one byte (shape (num_blocks, ...)), got shapes "
+                                  f"{[tuple(getattr(b, 'shape', ())) for b in buffers][:4]}")
         descs = Descs.from_buffers(buffers, kind)
         nblocks = {int(b.shape[0]) for b in buffers}
         if len(nblocks) != 1 or len(set(descs.lengths.tolist())) != 1 or len(set(descs.devices.tolist())) != 1:
@@ -450,6 +471,9 @@ class Agent:
         it tries again first (at most every 0.1 s, for at most 2 s), so a
         restarted peer is picked up with no call from the user."""
         self._check_open()
+        if not isinstance(endpoint, str):
+            raise InvalidArgument(f"connect takes an endpoint 'tcp://host:port' or a published name (a str), "
+                                  f"got {type(endpoint).__name__}")
         name = self.add_peer(self._fetch(endpoint, timeout))
         self._reach[name] = endpoint
         return name
@@ -468,7 +492,9 @@ class Agent:
         Called by ``Transfer.wait`` on a lost peer; call it yourself when you
         poll with ``state()``."""
         self._check_open()
-        route = self._reach.get(peer)
+        if timeout is not None:
+            _seconds(timeout, "handshake timeout")  # a bad argument, not a lost peer
+        route = self._reach.get(_peer_name(peer))
         if route is None:
             raise PeerDisconnected(f"peer {peer!r} seems gone and was added by add_peer(), so kvt cannot "
                                    "reach it again by itself; connect() to it again")
@@ -527,6 +553,7 @@ class Agent:
 
     def remove_peer(self, peer: str) -> None:
         self._check_open()
+        _peer_name(peer)
         with self._lock:
             self._drop_preps(lambda p, _: p == peer)
             self._peers.pop(peer, None)
@@ -537,7 +564,7 @@ class Agent:
     def peer_info(self, peer: str) -> AgentInfo:
         try:
             return self._peers[peer]
-        except KeyError:
+        except (KeyError, TypeError):  # (an unhashable name: no peer's either)
             raise UnknownPeer(f"unknown peer {peer!r}; connect() or add_peer() first "
                               f"(known: {sorted(self._peers) or 'none'})") from None
 
@@ -569,7 +596,11 @@ class Agent:
             self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
         rname = remote_layout or layout
         key = (peer, layout, rname)
-        route = self._routes.get(key) or self._route(peer, layout, rname)
+        try:
+            route = self._routes.get(key)
+        except TypeError:  # an unhashable peer or layout name: nobody's
+            raise InvalidArgument(f"peer and layout names are str, got {peer!r}, {layout!r}") from None
+        route = route or self._route(peer, layout, rname)
         try:
             h, n = self._post(op, route, local_ids, remote_ids,
                               notif if notif is None or self._notif_seal is None else self._seal(peer, notif))
@@ -584,7 +615,11 @@ class Agent:
         """The backend's handle and the number of descriptors posted."""
         if route.lregions is None:  # one region: block ids are the indices, and the backend checks them
             lidx, ridx = local_ids, remote_ids
-            n = route.nblocks if local_ids is None else len(local_ids)
+            try:
+                n = route.nblocks if local_ids is None else len(local_ids)
+            except TypeError:  # a scalar or a generator (a layout of several regions says the same)
+                raise InvalidArgument(f"block ids must be a 1-D sequence of ints, got {type(local_ids).__name__}") \
+                    from None
         else:
             lidx = (route.lregions + as_index(local_ids, route.nblocks, "block ids")).ravel()
             ridx = (route.rregions + as_index(remote_ids, route.rnblocks, "block ids")).ravel()
@@ -676,7 +711,7 @@ class Agent:
     # -- notifications --------------------------------------------------------
 
     def notify(self, peer: str, msg: bytes) -> None:
-        self.backend.notify(peer, msg if self._notif_seal is None else self._seal(peer, msg))
+        self.backend.notify(_peer_name(peer), msg if self._notif_seal is None else self._seal(peer, msg))
 
     def notif_for(self, peer: str, msg: bytes) -> bytes:
         """``msg`` as it must travel to ``peer`` when attached to a transfer

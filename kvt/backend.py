@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import difflib
+import math
 import threading
 from typing import Any, ClassVar, Mapping
 
@@ -44,7 +45,8 @@ from .errors import (ClosedError, ConfigError, InvalidArgument, InvalidHandle, K
 from .types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
                     RegHandle, XferHandle, XferState, as_index)
 
-__all__ = ["Backend", "CORE_OPTIONS", "RegionTable", "HandleTable", "take_handle", "PeerTable", "Inbox", "unknown_peer"]
+__all__ = ["Backend", "CORE_OPTIONS", "RegionTable", "HandleTable", "take_handle", "PeerTable", "Inbox", "unknown_peer",
+           "seconds"]
 
 
 #: the options kvt itself sets for every backend (``auth_key`` only for ``uses_auth_key`` ones)
@@ -462,6 +464,18 @@ class Inbox:
                         self._bytes -= len(m)
                         return s, m
         return None
+
+
+def seconds(timeout: Any, what: str = "timeout") -> float:
+    """``timeout`` as seconds: a finite real number (a negative one counts as
+    0: look once).  NaN would never expire and infinity never end a wait, so
+    both are refused (``InvalidArgument``), as is anything but a number.  For
+    backends' ``wait`` and every other bounded wait."""
+    if isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(timeout, bool):
+        t = float(timeout)
+        if math.isfinite(t):
+            return min(max(t, 0.0), threading.TIMEOUT_MAX)  # (longer overflows a thread wait)
+    raise InvalidArgument(f"{what} must be a finite number of seconds, got {timeout!r}")
 
 
 def unknown_peer(name: str, known) -> UnknownPeer:

@@ -108,3 +108,57 @@ def test_kvt_demo_verifies_every_byte():
     assert out.returncode == 0, out.stderr
     assert "OK: every byte verified" in out.stdout and "GB/s" in out.stdout
     assert "blocks    16" in out.stdout  # 2 layers x 8 blocks
+
+
+@pytest.fixture
+def linked():
+    """Agent ``a`` connected to ``b``; a one-region layout "one" and a two-region "two" on both."""
+    with Agent(name="a", backend="host") as a, Agent(name="b", backend="host") as b:
+        keep = []
+        for x in (a, b):
+            bufs = [memory.empty((8, 256)) for _ in range(2)]
+            keep.append(bufs)
+            x.register_blocks("one", bufs[:1])
+            x.register_blocks("two", bufs)
+        yield a, a.connect(b.listen())
+
+
+@pytest.mark.parametrize("call", [
+    lambda a, p: a.read_blocks(p, np.int64(1), np.int64(2), "one"),  # len() of a scalar: TypeError
+    lambda a, p: a.read_blocks(p, 1, 2, "one"),
+    lambda a, p: a.read_blocks(p, (i for i in [1]), [2], "one"),
+    lambda a, p: a.read_blocks(["x"], [1], [2], "one"),  # unhashable peer: TypeError
+    lambda a, p: a.read_blocks(p, [1], [2], ["one"]),
+    lambda a, p: a.remove_peer(["x"]),
+    lambda a, p: a.peer_info(["x"]),
+    lambda a, p: a.notify(["x"], b"hi"),
+    lambda a, p: a.reconnect(p, "1"),  # a bad argument, not "the peer seems gone"
+    lambda a, p: a.connect(None),
+    lambda a, p: a.connect(b"tcp://127.0.0.1:1"),
+    lambda a, p: a.register_blocks("z", [np.zeros((0, 16), np.uint8)]),  # zero blocks: ValueError after registering
+    lambda a, p: a.register_blocks("z", [np.zeros((4, 0), np.uint8)]),
+    lambda a, p: a.register_blocks("z", [np.array(5, np.uint8)]),  # 0-d: IndexError
+    lambda a, p: a.register_blocks("z", None),  # TypeError
+    lambda a, p: a.register_blocks("z", 5),
+    lambda a, p: a.register_blocks(5, [np.zeros((4, 16), np.uint8)]),  # every peer's connect failed after
+    lambda a, p: a.register_blocks("\udcff", [np.zeros((4, 16), np.uint8)]),  # the server answered nothing after
+], ids=["scalar-ids", "int-ids", "generator-ids", "list-peer", "list-layout", "remove-list", "info-list",
+        "notify-list", "reconnect-text-timeout", "connect-none", "connect-bytes", "zero-blocks", "zero-bytes",
+        "0-d", "none-buffers", "int-buffers", "int-layout", "surrogate-layout"])
+def test_wrong_arguments_raise_kvt_errors_and_leave_the_agent_working(linked, call):
+    from kvt.errors import KvtError, PeerDisconnected
+
+    a, peer = linked
+    with pytest.raises(KvtError) as e:
+        call(a, peer)
+    assert not isinstance(e.value, PeerDisconnected), e.value  # the caller's mistake, named as such
+    with a.read_blocks(peer, [1], [2], "one") as t:  # and the agent carries on
+        t.wait(10)
+
+
+@pytest.mark.parametrize("name", [5, "n" * 257, "\ud800"])
+def test_an_agent_name_that_cannot_travel_is_refused(name):
+    """A lone-surrogate name failed at the first connect (UnicodeEncodeError);
+    a non-str one got the peer's refusal of the wrong message type."""
+    with pytest.raises(InvalidArgument, match="agent name"):
+        Agent(name=name, backend="host")

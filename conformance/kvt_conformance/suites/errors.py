@@ -55,6 +55,13 @@ def _notif_error(backend) -> type:
     return InvalidArgument if backend.capabilities.notifications else UnsupportedOperation
 
 
+def _zeros_into_src(s: "Setup"):
+    """A good local transfer that leaves ``dst`` as it is (it moves dst's zeros into src's block 0)."""
+    op = _op(s.backend)
+    return s.backend.transfer(op, s.sp, [0], s.dp, [0]) if op is Op.READ else s.backend.transfer(op, s.dp, [0], s.sp,
+                                                                                                   [0])
+
+
 # name -> (call, expected error); the call gets a Setup
 BAD_CALLS: dict[str, tuple[Callable[[Setup], Any], Any]] = {
     "get_xfer_descs-text": (lambda s: s.backend.get_xfer_descs("nonsense"), InvalidArgument),
@@ -78,6 +85,9 @@ BAD_CALLS: dict[str, tuple[Callable[[Setup], Any], Any]] = {
                                  _notif_error),
     "transfer-notif-too-large": (lambda s: s.backend.transfer(
         _op(s.backend), s.dp, [0], s.sp, [0], notif=bytes(s.backend.capabilities.max_notif_bytes + 1)), _notif_error),
+    # a wait that could never end (inf, NaN) is refused, as is a non-number
+    **{f"transfer-wait-{name}": (lambda s, t=t: s.backend.wait(_zeros_into_src(s), t), InvalidArgument)
+       for name, t in (("nan", float("nan")), ("inf", float("inf")), ("text", "1"))},
     "check_state-unknown": (lambda s: s.backend.check_state(_NO_SUCH_HANDLE), InvalidHandle),
     "check_state-text": (lambda s: s.backend.check_state("x"), InvalidHandle),
     "release-unknown": (lambda s: s.backend.release(_NO_SUCH_HANDLE), InvalidHandle),

@@ -34,7 +34,7 @@ import zmq
 from kvt import memory, memcopy
 from kvt.auth import Secret
 from kvt.epoch import Epoch, EpochWatch
-from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
+from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, seconds, take_handle
 from kvt.procs import host_id, start_time
 from kvt.errors import (AuthenticationError, ClosedError, ConfigError, HandshakeError, HandshakeTimeout,
                         InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError,
@@ -742,7 +742,7 @@ class HostBackend(Backend):
     def wait(self, handle: XferHandle, timeout: float) -> XferState:
         """Blocks on the job's completion event: no polling, no core used."""
         self._check_open()
-        return self._xfers[handle].wait(timeout)
+        return self._xfers[handle].wait(seconds(timeout))
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
         if self._closed:
