@@ -117,6 +117,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     transfer_timeout: _Seconds = 30.0
 
     def __post_init__(self) -> None:
+        # built directly, fields are not type-checked (from_dict's conversion checks them all): the
+        # two the checks below compute with must be right, or a ZeroDivisionError/AttributeError escapes
+        if not isinstance(self.kv, KVCacheSpec) or type(self.tp_size) is not int or self.tp_size < 1:
+            raise ConfigError(f"ConnectorConfig needs kv = a KVCacheSpec and tp_size = an int >= 1, got "
+                              f"{type(self.kv).__name__} and {self.tp_size!r}; ConnectorConfig.from_dict checks "
+                              "every field")
         if not self.kv.mla and self.kv.num_kv_heads % self.tp_size:
             raise ConfigError(f"num_kv_heads ({self.kv.num_kv_heads}) must be a multiple of tp_size "
                              f"({self.tp_size}): each rank holds an equal slice of heads")
@@ -138,6 +144,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ConnectorConfig":
         """Validate ``values``; ``ConfigError`` names the bad field."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"connector configuration must be a mapping of settings, got {type(values).__name__}")
         try:
             return msgspec.convert(dict(values), cls, strict=False)
         except msgspec.ValidationError as e:

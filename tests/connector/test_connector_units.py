@@ -94,6 +94,19 @@ def test_config_from_dict_names_the_bad_field():
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float13", block_size=1)
 
 
+@pytest.mark.parametrize("build", [
+    lambda: ConnectorConfig(engine_id="e", kv=SPEC, tp_size=0),  # ZeroDivisionError
+    lambda: ConnectorConfig(engine_id="e", kv=msgspec.to_builtins(SPEC)),  # AttributeError
+    lambda: ConnectorConfig(engine_id="e", kv=SPEC, tp_size="2"),  # TypeError
+    lambda: ConnectorConfig.from_dict(None),
+    lambda: ConnectorConfig.from_dict([1]),
+    lambda: ConnectorConfig.from_dict("abc"),
+])
+def test_config_built_wrongly_is_a_config_error(build):
+    with pytest.raises(ConfigError):
+        build()
+
+
 def test_config_shapes_and_fixed_endpoints():
     cfg = config(tp=2, side_channel_port=7000)
     assert cfg.kv.block_shape(2) == (4, 4, 16) and cfg.kv.part_bytes(2) == 4 * 4 * 16 * 2
