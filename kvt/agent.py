@@ -29,9 +29,9 @@ from . import registry
 from .config import Config, load_config
 from .auth import NotifSeal, Secret
 from .backend import Inbox, seconds as _seconds
-from .errors import (AuthenticationError, ClosedError, ConfigError, HandshakeError, IncompatiblePeer, IntegrityError,
-                     InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError, PeerDisconnected, ServerBusy,
-                     TransferTimeout, UnknownPeer, UnsupportedOperation, WireError)
+from .errors import (AuthenticationError, ClosedError, ConfigError, HandshakeError, IncompatiblePeer,
+                     IntegrityError, InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError, PeerDisconnected,
+                     ServerBusy, TransferTimeout, UnknownPeer, UnsupportedOperation, WireError)
 from . import integrity
 from .handshake import HandshakeServer, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
@@ -358,7 +358,7 @@ class Agent:
         buffers = list(buffers)
         if not buffers:
             raise InvalidArgument("register_blocks needs at least one buffer")
-        if any(len(getattr(b, "shape", ())) < 1 or b.shape[0] < 1 or not getattr(b, "size", 0) for b in buffers):
+        if any(len(getattr(b, "shape", ())) < 1 or b.shape[0] < 1 or not getattr(b, "nbytes", 1) for b in buffers):
             raise InvalidArgument("register_blocks takes block-first buffers with at least one block of at least "
                                   f"one byte (shape (num_blocks, ...)), got shapes "
                                   f"{[tuple(getattr(b, 'shape', ())) for b in buffers][:4]}")

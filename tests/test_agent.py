@@ -137,6 +137,7 @@ def linked():
     lambda a, p: a.connect(b"tcp://127.0.0.1:1"),
     lambda a, p: a.register_blocks("z", [np.zeros((0, 16), np.uint8)]),  # zero blocks: ValueError after registering
     lambda a, p: a.register_blocks("z", [np.zeros((4, 0), np.uint8)]),
+    lambda a, p: a.register_blocks("z", [__import__("torch").zeros((4, 0))]),
     lambda a, p: a.register_blocks("z", [np.array(5, np.uint8)]),  # 0-d: IndexError
     lambda a, p: a.register_blocks("z", None),  # TypeError
     lambda a, p: a.register_blocks("z", 5),
@@ -144,6 +145,7 @@ def linked():
     lambda a, p: a.register_blocks("\udcff", [np.zeros((4, 16), np.uint8)]),  # the server answered nothing after
 ], ids=["scalar-ids", "int-ids", "generator-ids", "list-peer", "list-layout", "remove-list", "info-list",
         "notify-list", "reconnect-text-timeout", "connect-none", "connect-bytes", "zero-blocks", "zero-bytes",
+        "zero-bytes-tensor",
         "0-d", "none-buffers", "int-buffers", "int-layout", "surrogate-layout"])
 def test_wrong_arguments_raise_kvt_errors_and_leave_the_agent_working(linked, call):
     from kvt.errors import KvtError, PeerDisconnected
