@@ -257,6 +257,8 @@ def load_config(backend: str | None = None, options: Mapping[str, Any] | None = 
     replaces ``os.environ`` (tests).  Raises ``ConfigError`` naming the
     offending field or key and its source.
     """
+    if not isinstance(env, Mapping):
+        raise ConfigError(f"env must be a mapping of environment variables, got {type(env).__name__}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     file_options: dict[str, Any] = {}

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidArgument
-from .types import Descs
+from .types import Descs, _shown
 
 __all__ = ["empty", "empty_tensor", "segments_of", "page_policy", "page_kind"]
 
@@ -78,6 +78,10 @@ def _shmem_thp() -> str:
 def page_policy(nbytes: int = 1 << 30) -> tuple[str, str]:
     """``(kind, reason)``: the pages a new segment of ``nbytes`` gets,
     ``kind`` one of ``hugetlb``, ``thp``, ``4k``."""
+    try:
+        nbytes = max(operator.index(nbytes), 1)
+    except TypeError:
+        raise InvalidArgument(f"nbytes must be an int, got {type(nbytes).__name__}") from None
     if os.environ.get("KVT_HUGEPAGES", "1") == "0":
         return "4k", "KVT_HUGEPAGES=0"
     info = _meminfo()
@@ -97,7 +101,12 @@ def page_policy(nbytes: int = 1 << 30) -> tuple[str, str]:
 def page_kind(arr: Any) -> str | None:
     """The page kind of the segment holding ``arr``'s first byte, or None if
     it is not in a kvt segment."""
-    addr = arr.ctypes.data if isinstance(arr, np.ndarray) else int(arr.data_ptr())
+    if isinstance(arr, np.ndarray):
+        addr = arr.ctypes.data
+    elif hasattr(arr, "data_ptr"):
+        addr = int(arr.data_ptr())
+    else:
+        raise InvalidArgument(f"page_kind takes a numpy array or a torch tensor, got {type(arr).__name__}")
     with _lock:
         for base, (_, size) in _segments.items():
             if base <= addr < base + size:
@@ -210,7 +219,9 @@ def empty_tensor(shape: Any, dtype: Any = None):
     """Like :func:`empty` but returns a CPU torch tensor (``torch`` dtype)."""
     import torch
 
-    dtype = dtype or torch.float32
+    dtype = torch.float32 if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidArgument(f"dtype must be a torch dtype such as torch.float16, got {_shown(dtype)}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = empty((_nbytes(shape, itemsize),), np.uint8)
     return torch.from_numpy(raw).view(dtype).reshape(shape)

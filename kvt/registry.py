@@ -45,7 +45,7 @@ from stevedore import DriverManager, ExtensionManager
 from stevedore.exception import MultipleMatches, NoMatches
 
 from .backend import CORE_OPTIONS, Backend
-from .errors import BackendLoadError, BackendNotFound, BackendUnavailable, InvalidArgument, KvtError
+from .errors import BackendLoadError, BackendNotFound, BackendUnavailable, ConfigError, InvalidArgument, KvtError
 from .types import Availability, Capabilities
 
 log = logging.getLogger(__name__)
@@ -281,6 +281,9 @@ def create_backend(name: str, agent_name: str, options: Mapping[str, Any] | None
     ``BackendUnavailable`` with the reason when the backend cannot run on
     this machine or its constructor fails with a non-kvt error."""
     cls = load_backend(name)
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(f"options for backend {name!r} must be a mapping of option names to values, "
+                          f"got {type(options).__name__}")
     options = own_options(name, options or {}, shared)
     avail = _availability(cls)
     if not avail.usable:

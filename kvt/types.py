@@ -160,7 +160,11 @@ def as_index(idx: Any, n: int, what: str = "index") -> np.ndarray:
     if arr.size:
         u = arr.view(np.uint64)  # a negative index viewed as uint64 is past any n: one comparison
         # a few ids: Python's max costs less than a numpy reduction's fixed overhead
-        if (max(u.tolist()) if arr.size <= 16 else u.max()) >= n:
+        try:
+            past = (max(u.tolist()) if arr.size <= 16 else u.max()) >= n
+        except TypeError:
+            raise InvalidArgument(f"{what}: the count to check against must be an int, got {_shown(n)}") from None
+        if past:
             raise InvalidArgument(f"{what} out of range: values must lie in [0, {n}), got [{arr.min()}, {arr.max()}]")
     return arr
 
@@ -177,11 +181,27 @@ def _shown(value: Any) -> str:
 
 def _as_u64(value: Any, what: str) -> np.ndarray:
     """``value`` as a uint64 array; ``InvalidArgument`` naming ``what`` for a
-    negative, too large or non-integer value (numpy's OverflowError, ValueError)."""
-    try:
+    negative, too large or non-integer value.  Casting straight to uint64
+    would truncate floats and wrap negative int64 arrays silently."""
+    if type(value) is np.ndarray and value.dtype == np.uint64:
+        return value
+    if type(value) is int and 0 <= value < _U64_LIMIT:
         return np.asarray(value, dtype=np.uint64)
+    try:
+        arr = np.asarray(value)
+        if arr.dtype.kind in "fO" and type(value) is not np.ndarray:
+            # Python ints past int64 come out as objects, or floats when mixed with small ones:
+            # exact ints only (a rare, slow path), then numpy range-checks each on the way to uint64
+            items = np.asarray(value, dtype=object).ravel()
+            if all(type(x) is int or isinstance(x, np.integer) for x in items):
+                return np.asarray(value, dtype=np.uint64)
+            arr = None
     except (TypeError, ValueError, OverflowError):
-        raise InvalidArgument(f"{what} must be integers in [0, 2**64), got {_shown(value)}") from None
+        arr = None
+    if arr is not None and (arr.dtype.kind == "u" or (arr.dtype.kind == "i" and not (arr.size and arr.min() < 0))
+                            or arr.size == 0):  # [] is float64 to numpy
+        return arr.astype(np.uint64, copy=False)
+    raise InvalidArgument(f"{what} must be integers in [0, 2**64), got {_shown(value)}")
 
 
 def _u64_scalar(value: Any, what: str) -> int:
@@ -282,7 +302,11 @@ class Descs:
         ``kind`` defaults to the tensors' device kind; passing it explicitly
         lets a test treat host memory as device memory.
         """
-        buffers = list(buffers)
+        try:
+            buffers = list(buffers)
+        except TypeError:
+            raise InvalidArgument(f"buffers must be a list of torch tensors or numpy arrays, got "
+                                  f"{type(buffers).__name__}") from None
         rows, kinds = [], set()
         for buf in buffers:
             if hasattr(buf, "data_ptr"):  # torch.Tensor
@@ -362,7 +386,14 @@ class Descs:
         return len(self.array)
 
     def __getitem__(self, idx: Any) -> "Descs":
-        return Descs(self.array[idx].reshape(-1, 3), self.kind, self.tensors)
+        if isinstance(idx, tuple):  # d[:, 0] would be a column, not rows
+            raise InvalidArgument(f"select whole descriptor rows (an int, a slice, an index or boolean array), "
+                                  f"got {_shown(idx)}")
+        try:
+            rows = self.array[idx]
+        except (IndexError, TypeError, ValueError) as e:
+            raise InvalidArgument(f"cannot select descriptor rows with {_shown(idx)}: {e}") from None
+        return Descs(rows.reshape(-1, 3), self.kind, self.tensors)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Descs) and self.kind is other.kind and np.array_equal(self.array, other.array)
@@ -378,6 +409,8 @@ class Descs:
         """For each row, the index of a row of ``regions`` that wholly contains
         it (same device), or -1.  Vectorised: sort regions by start, take the
         running maximum of their ends, binary-search each descriptor."""
+        if not isinstance(regions, Descs):
+            raise InvalidArgument(f"regions must be Descs, got {type(regions).__name__}")
         out = np.full(len(self), -1, dtype=np.int64)
         if not len(self) or not len(regions):
             return out

@@ -288,3 +288,8 @@ def test_agent_refuses_a_config_that_is_not_a_config():
 
     with pytest.raises(ConfigError, match=r"kvt\.load_config"):
         Agent(config={"backend": "host"})
+
+
+def test_an_env_that_is_not_a_mapping_is_a_config_error():
+    with pytest.raises(ConfigError, match="env must be a mapping"):
+        load_config(env=None)

@@ -95,3 +95,18 @@ def test_empty_refuses_more_than_physical_memory(monkeypatch):
             memory.empty(nbytes)
     with pytest.raises(InvalidArgument, match="physical memory"):
         memory.empty((ram // 8 + 1,), np.float64)
+
+
+def test_wrong_arguments_are_invalid_argument():
+    from kvt.errors import InvalidArgument
+
+    for call, says in ((lambda: memory.page_kind(5), "numpy array or a torch tensor"),
+                       (lambda: memory.page_kind(None), "numpy array or a torch tensor"),
+                       (lambda: memory.page_policy("1 GiB"), "nbytes must be an int")):
+        with pytest.raises(InvalidArgument, match=says):
+            call()
+    torch = pytest.importorskip("torch")
+    for dtype in ("float16", np.float16):
+        with pytest.raises(InvalidArgument, match="must be a torch dtype"):
+            memory.empty_tensor((4,), dtype)
+    assert memory.empty_tensor((4,), torch.float16).dtype == torch.float16

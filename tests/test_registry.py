@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from stevedore import ExtensionManager
 
-from kvt import (Availability, Backend, BackendLoadError, BackendNotFound, BackendUnavailable,
+from kvt import (Availability, Backend, BackendLoadError, BackendNotFound, BackendUnavailable, ConfigError,
                  MemKind, Op, registry)
 
 PLUGINS = Path(__file__).parent / "fixtures" / "plugins"
@@ -180,3 +180,9 @@ def test_a_name_that_is_not_a_str_is_not_found_and_lists_installed(name):
     assert "Installed backends:" in str(e.value) and "host" in str(e.value)
     with pytest.raises(BackendNotFound, match="must be a str"):
         registry.probe(name)
+
+
+@pytest.mark.parametrize("options", [[1], "timeout=1", 5])
+def test_options_that_are_not_a_mapping_are_a_config_error(options):
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        registry.create_backend("host", "a", options)

@@ -108,6 +108,22 @@ def test_xfer_state_err_carries_cause():
     (lambda: Descs([[1, 2, 3], [1, 2]]), "shape \\(n, 3\\)"),
     (lambda: as_index([[1], [1, 2]], 5), "index"),
     (lambda: as_index([[1], [1, 2]], 5, "local_ids"), "local_ids"),
+    (lambda: as_index([1], "5"), "must be an int"),
+    # a cast straight to uint64 truncated floats and wrapped negative int64 arrays
+    (lambda: Descs.from_regions([1.7], [1]), "addrs"),
+    (lambda: Descs.from_regions(np.array([-4096]), [1]), "addrs"),
+    (lambda: Descs.from_regions([1], np.array([-1], np.int32)), "lengths"),
+    (lambda: Descs.from_regions([True], [1]), "addrs"),
+    (lambda: Descs.from_regions([1.5, 2**63], [1, 1]), "addrs"),
+    (lambda: Descs.from_blocks([4096], 16, np.array([-1])), "block_ids"),
+    (lambda: Descs.from_blocks([4096], 16, [0.5]), "block_ids"),
+    (lambda: Descs.from_buffers(5), "buffers must be a list"),
+    (lambda: Descs.from_regions([1, 2], [3, 4])["x"], "cannot select descriptor rows"),
+    (lambda: Descs.from_regions([1, 2], [3, 4])[1.5], "cannot select descriptor rows"),
+    (lambda: Descs.from_regions([1, 2], [3, 4])[5], "cannot select descriptor rows"),
+    (lambda: Descs.from_regions([1, 2], [3, 4])[:, 0], "whole descriptor rows"),
+    (lambda: Descs.from_regions([1], [3]).locate(5), "regions must be Descs"),
+    (lambda: Descs.from_regions([1], [3]).check_within([[1, 3, 0]]), "regions must be Descs"),
 ])
 def test_malformed_inputs_raise_invalid_argument_naming_it(call, names):
     with pytest.raises(InvalidArgument, match=names):
@@ -120,3 +136,13 @@ def test_from_blocks_still_takes_numpy_scalars_and_2d_bases():
     assert d.array.tolist() == [[1000, 16, 1], [1032, 16, 1]]
     top = Descs.from_blocks([0], 2**64 - 1, [0])  # the largest length still fits
     assert int(top.lengths[0]) == 2**64 - 1
+
+
+def test_large_python_ints_still_make_exact_rows():
+    """Python ints past int64, alone or mixed with small ones (numpy makes
+    the mix float64), are taken exactly; rows still select as before."""
+    d = Descs.from_regions([2**63 + 1, 1], [1, 2**64 - 2])
+    assert d.array.tolist() == [[2**63 + 1, 1, 0], [1, 2**64 - 2, 0]]
+    assert Descs.from_regions([], []).array.shape == (0, 3)
+    assert Descs.from_regions(np.array([5], np.int32), 1).array.tolist() == [[5, 1, 0]]
+    assert d[1].array.tolist() == [[1, 2**64 - 2, 0]] and len(d[np.array([True, False])]) == 1
