@@ -14,6 +14,7 @@ Block ids become descriptor indices with one numpy broadcast; each
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
@@ -146,6 +147,7 @@ _PROC = XferState.PROC.status
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
 _RECOVER_TIMEOUT = 2.0  # seconds spent asking a lost peer for new metadata
 _RECOVER_EVERY = 0.1    # seconds between such attempts on a peer that stays lost (bounds the store load)
+_PEER_STRIPES = 16      # locks ordering peer loads and removals (a peer's name picks one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +333,10 @@ class Agent:
         self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
         self._discovery = None
         self._lock = threading.RLock()
+        # loading or removing a peer can wait on the backend (host waits out the peer's copies): it
+        # holds only its peer's stripe, so calls about other peers and notifications go on meanwhile
+        self._peer_locks = [threading.RLock() for _ in range(_PEER_STRIPES)]
+        self._notif_lock = threading.Lock()
         self._close_lock = threading.Lock()  # a second close() returns once the first is done
         self._server: HandshakeServer | None = None
         self._closed = False
@@ -474,9 +480,15 @@ class Agent:
         if not isinstance(endpoint, str):
             raise InvalidArgument(f"connect takes an endpoint 'tcp://host:port' or a published name (a str), "
                                   f"got {type(endpoint).__name__}")
-        name = self.add_peer(self._fetch(endpoint, timeout))
-        self._reach[name] = endpoint
+        info = self._fetch(endpoint, timeout)
+        with self._peer_lock(info.name):  # loaded and reachable together: a remove_peer undoes both
+            name = self.add_peer(info)
+            self._reach[name] = endpoint
         return name
+
+    def _peer_lock(self, name: str) -> threading.RLock:
+        """The lock that orders loading, reloading and removing ``name``."""
+        return self._peer_locks[hash(name) % _PEER_STRIPES]
 
     def _fetch(self, route: str, timeout: float | None) -> AgentInfo:
         t = self.config.handshake_timeout if timeout is None else timeout
@@ -505,7 +517,12 @@ class Agent:
                                    "the next transfer tries again") from e
         if info.name != peer:
             raise IncompatiblePeer(f"{route} is now agent {info.name!r}, not {peer!r}")
-        with self._lock:
+        with self._peer_lock(peer):
+            now = self._reach.get(peer)
+            if now is None:  # removed while we fetched: it stays removed
+                raise PeerDisconnected(f"peer {peer!r} was removed while reconnecting; connect() to it again")
+            if now != route:  # connect() reloaded it from elsewhere meanwhile
+                return True
             old = self._peers.get(peer)
             # reloaded even when unchanged: a backend that gave up on a silent peer (frozen, or
             # cut off for a while) counts it as reachable again
@@ -518,7 +535,9 @@ class Agent:
                 self.reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT))
                 self._lost.pop(peer, None)
             except KvtError:  # still gone: the caller sees the transfer's own error
-                self._lost[peer] = time.monotonic()
+                with self._peer_lock(peer):
+                    if peer in self._reach:  # (not if it was removed meanwhile)
+                        self._lost[peer] = time.monotonic()
 
     @property
     def discovery(self):
@@ -545,20 +564,22 @@ class Agent:
         if info.backend != self.backend_name:
             raise IncompatiblePeer(f"peer {info.name!r} uses backend {info.backend!r}, we use "
                                    f"{self.backend_name!r}; configure both sides with the same backend")
-        with self._lock:
+        with self._peer_lock(info.name):
             name = self.backend.add_remote(info.metadata)
-            self._drop_preps(lambda peer, _: peer == name)
-            self._peers[name] = info
+            with self._lock:
+                self._drop_preps(lambda peer, _: peer == name)
+                self._peers[name] = info
         return name
 
     def remove_peer(self, peer: str) -> None:
         self._check_open()
         _peer_name(peer)
-        with self._lock:
-            self._drop_preps(lambda p, _: p == peer)
-            self._peers.pop(peer, None)
-            self._reach.pop(peer, None)
-            self._lost.pop(peer, None)
+        with self._peer_lock(peer):
+            with self._lock:
+                self._drop_preps(lambda p, _: p == peer)
+                self._peers.pop(peer, None)
+                self._reach.pop(peer, None)
+                self._lost.pop(peer, None)
             self.backend.remove_remote(peer)
 
     def peer_info(self, peer: str) -> AgentInfo:
@@ -592,7 +613,7 @@ class Agent:
             self._check_open()
         if self._orphans:
             self._reap()
-        if self._lost and peer in self._lost and time.monotonic() - self._lost[peer] >= _RECOVER_EVERY:
+        if self._lost and type(peer) is str and time.monotonic() - self._lost.get(peer, math.inf) >= _RECOVER_EVERY:
             self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
         rname = remote_layout or layout
         key = (peer, layout, rname)
@@ -747,7 +768,7 @@ class Agent:
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Everything received since the last call, by sender."""
-        with self._lock:
+        with self._notif_lock:
             out = self._pending.take()
             for sender, msgs in self._received().items():
                 out.setdefault(sender, []).extend(msgs)
@@ -760,7 +781,7 @@ class Agent:
         beyond it, the newest are dropped and logged)."""
 
         def take():
-            with self._lock:
+            with self._notif_lock:
                 got, dropped = self._pending.take_first(peer, match), 0
                 for sender, msgs in self._received().items():
                     for m in msgs:

@@ -288,19 +288,30 @@ class NotifSeal:
     receiver's names, the receiver's incarnation (published in its AgentInfo,
     so a message cannot be replayed to a restarted receiver) and the message;
     ``open`` returns the message, or None for anything forged, altered or
-    replayed (a 64-message window per sender incarnation, as IPsec does)."""
+    replayed (a sliding window per sender, as IPsec does).
+
+    A sender numbers its messages to each receiver (and receiver
+    incarnation) on their own, under a nonce of their own: traffic to other
+    peers does not move a receiver's window.  The window is wide
+    (``_WINDOW`` messages) because order is not kept: a transfer's
+    notification is sealed when it is posted but NIXL sends it when the
+    transfer completes, and threads seal and send in any order.  A genuine
+    message arriving more than ``_WINDOW`` behind the newest is dropped as
+    too old to tell from a replay."""
 
     OVERHEAD = len(_NOTIF_MAGIC) + 1 + _NONCE + 8 + _TAG
-    _WINDOW = 64
+    _WINDOW = 4096  # bits of a Python int per sender: 512 bytes
+    _MASK = (1 << _WINDOW) - 1
     _MAX_SENDERS = 4096
+    _MAX_RECEIVERS = 4096
 
     def __init__(self, secret: Secret, me: str):
         # a key of its own, derived from the whole auth_key as every other use's is (the MAC below
         # keys BLAKE2b with at most 64 bytes: the raw key cut there ignored the rest of a long key)
         self._key, self._me = hmac.new(secret._key, b"kvt-notif-key-v2", hashlib.sha256).digest(), me
         self.incarnation = os.urandom(_NONCE)  #: published to peers (``AgentInfo.extra``)
-        self._nonce = os.urandom(_NONCE)
-        self._next = iter(range(1, 1 << 63)).__next__  # atomic under the GIL
+        # (receiver, its incarnation) -> (our nonce for it, its next counter: atomic under the GIL)
+        self._outgoing: dict[tuple[str, bytes], tuple[bytes, Callable[[], int]]] = {}
         self._seen: OrderedDict[bytes, list] = OrderedDict()  # sender nonce -> [highest counter, bitmap]
 
     def _tag(self, sender: str, receiver: str, incarnation: bytes, nonce: bytes, counter: int, msg) -> bytes:
@@ -309,9 +320,18 @@ class NotifSeal:
         return _tag(self._key, b"kvt-notif-v2" + head, counter, (msg,), None)
 
     def seal(self, receiver: str, incarnation: bytes, msg: bytes) -> bytes:
-        counter = self._next()
-        tag = self._tag(self._me, receiver, incarnation, self._nonce, counter, msg)
-        return _NOTIF_MAGIC + _SEALED + self._nonce + _COUNTER.pack(counter) + tag + bytes(msg)
+        key = (receiver, incarnation)
+        out = self._outgoing.get(key)
+        if out is None:  # a fresh nonce: the receiver opens a new window for it
+            out = self._outgoing.setdefault(key, (os.urandom(_NONCE), iter(range(1, 1 << 63)).__next__))
+            while len(self._outgoing) > self._MAX_RECEIVERS:  # the oldest first (a later message to it
+                try:                                            # starts over under a new nonce)
+                    del self._outgoing[next(iter(self._outgoing))]
+                except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+                    break
+        nonce, counter = out[0], out[1]()
+        tag = self._tag(self._me, receiver, incarnation, nonce, counter, msg)
+        return _NOTIF_MAGIC + _SEALED + nonce + _COUNTER.pack(counter) + tag + bytes(msg)
 
     def open(self, sender: str, data: bytes) -> bytes | None:
         n = self.OVERHEAD
@@ -329,7 +349,7 @@ class NotifSeal:
         high, bits = seen
         if counter > high:
             shift = counter - high
-            seen[0], seen[1] = counter, ((bits << shift) | 1) & ((1 << self._WINDOW) - 1) if shift < self._WINDOW else 1
+            seen[0], seen[1] = counter, ((bits << shift) | 1) & self._MASK if shift < self._WINDOW else 1
         elif high - counter >= self._WINDOW or bits >> (high - counter) & 1:
             return None  # replayed, or too old to tell
         else:

@@ -364,3 +364,27 @@ def test_notification_seals_use_the_whole_key():
     same, other = NotifSeal(Secret(head + "first-key-tail"), "b"), NotifSeal(Secret(head + "other-key-tail"), "b")
     assert same.open("a", sender.seal("b", same.incarnation, b"release 42")) == b"release 42"
     assert other.open("a", sender.seal("b", other.incarnation, b"release 42")) is None
+
+
+def test_notification_seals_keep_a_window_per_receiver_wide_enough_for_reordering():
+    """One counter for every receiver, and a 64-message window: a READ's
+    notification (sealed at post, sent by NIXL at completion) overtaken by
+    64 notifications to other peers, or by 64 to the same peer, was dropped
+    as a replay, and the prefill side held its blocks until its abort
+    timeout."""
+    from kvt.auth import NotifSeal, Secret
+
+    key = Secret("k" * 40)
+    a, b, c = NotifSeal(key, "a"), NotifSeal(key, "b"), NotifSeal(key, "c")
+    first = a.seal("b", b.incarnation, b"read done")
+    for i in range(NotifSeal._WINDOW + 100):  # traffic to another peer meanwhile moves no window of b's
+        assert c.open("a", a.seal("c", c.incarnation, b"%d" % i)) == b"%d" % i
+    assert b.open("a", a.seal("b", b.incarnation, b"next")) == b"next"
+    later = [a.seal("b", b.incarnation, b"later %d" % i) for i in range(1000)]
+    assert [b.open("a", m) for m in reversed(later)] == [b"later %d" % i for i in reversed(range(1000))]
+    assert b.open("a", first) == b"read done"  # 1,000 behind the newest: inside the window
+    assert b.open("a", first) is None and b.open("a", later[5]) is None  # replays still refused
+    old = a.seal("b", b.incarnation, b"too old")
+    for i in range(NotifSeal._WINDOW):
+        b.open("a", a.seal("b", b.incarnation, b"x"))
+    assert b.open("a", old) is None  # beyond the window: too old to tell from a replay

@@ -494,15 +494,20 @@ class HostBackend(Backend):
             peer = self._peers.get(md.name)
             if peer is None:
                 self._peers[md.name] = _Peer(md, self.transport, self._secret, self.timeout)
-            else:  # on the peer's worker, between its transfers (never under a copy using what it replaces)
-                if _incarnation(md) != _incarnation(peer.md):
-                    self._fail_jobs(peer, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
-                                                           "this transfer was meant for the old one"))
-                try:
-                    peer.lane.submit(peer.update, md, self.transport).result(timeout=2 * self.timeout + 2)
-                except FuturesTimeout:
-                    raise KvtTimeoutError(f"peer {md.name!r} stayed busy for {2 * self.timeout + 2:g}s; "
-                                          "its metadata was not refreshed: add it again") from None
+                return md.name
+            if _incarnation(md) != _incarnation(peer.md):
+                self._fail_jobs(peer, PeerDisconnected(f"peer {md.name!r} restarted (new process); "
+                                                       "this transfer was meant for the old one"))
+            try:  # on the peer's worker, between its transfers (never under a copy using what it replaces)
+                update = peer.lane.submit(peer.update, md, self.transport)
+            except RuntimeError:  # its lane is shut down: being removed or closed by another thread
+                raise PeerDisconnected(f"peer {md.name!r} was removed while it was being added again; "
+                                       "add it again") from None
+        try:  # waited for outside our lock: other peers' calls go on meanwhile
+            update.result(timeout=2 * self.timeout + 2)
+        except FuturesTimeout:
+            raise KvtTimeoutError(f"peer {md.name!r} stayed busy for {2 * self.timeout + 2:g}s; "
+                                  "its metadata was not refreshed: add it again") from None
         return md.name
 
     def remove_remote(self, peer: str) -> None:
