@@ -58,6 +58,8 @@ _ND, _I32, _I64 = np.ndarray, np.dtype(np.int32), np.dtype(np.int64)
 _FEW = 16  # up to this many int64 ids go to NIXL as a list: cheaper than a checked numpy cast
 _NEVER = float("inf")
 _MAX_ROWS = 2**31 - 1  # NIXL indexes descriptors with 32-bit ints
+#: removed peers kept loaded in NIXL for a re-add (see NixlBackend._parked); past it the oldest is unloaded
+MAX_PARKED = 1024
 
 
 class _Prep:
@@ -150,6 +152,10 @@ class NixlBackend(Backend):
         self._epoch = Epoch()                            # bumped by deregister, watched by same-host peers
         self._watches: dict[str, EpochWatch | None] = {}  # same-host peers' epochs
         self._blobs: dict[str, bytes] = {}               # name -> its NIXL metadata (a new one: it restarted)
+        # removed peers NIXL still has loaded, name -> blob (oldest first): NIXL keeps a removed
+        # agent's UCX connection open at both ends until close, so a remove_remote_agent per
+        # remove_peer piled up a socket per remove/add cycle; re-adding a parked blob reuses it
+        self._parked: dict[str, bytes] = {}
         self._preps: dict[int, _Prep] = {}
         self._xfers: dict[int, Any] = {}                 # handle -> _Xfer, or NIXL's handle alone
                                                          # for a transfer that finished within its post
@@ -235,10 +241,13 @@ class NixlBackend(Backend):
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
         if md.host_id != host_id() and self._settings["env"].get("UCX_NET_DEVICES") == LOOPBACK:
             raise ConfigError(cross_host_refused(md.name, 'ucx_env = {UCX_NET_DEVICES = "eth0"}'))
-        if self._blobs.get(md.name) != md.nixl:  # a blob we loaded before was vetted then
+        if md.nixl not in (self._blobs.get(md.name), self._parked.get(md.name)):  # loaded before: vetted then
             vet.vet(self._settings, md.nixl, md.name)
         with self._lock:
             self._check_open()
+            if self._parked.get(md.name, md.nixl) != md.nixl:  # removed, then restarted: NIXL forgets the old one
+                self._unload(md.name)
+            self._parked.pop(md.name, None)
             if md.name in self._peers and self._blobs.get(md.name) != md.nixl:
                 # a restarted peer (same name, new process): NIXL would keep talking to the old
                 # one, so forget it first; what was in flight to it ends ERR
@@ -280,7 +289,14 @@ class NixlBackend(Backend):
         self._check_open()
         with self._lock:
             self._known(peer)
-            self._drop_peer(peer, PeerDisconnected(f"peer {peer!r} was removed"))
+            blob = self._blobs.get(peer)
+            self._drop_peer(peer, PeerDisconnected(f"peer {peer!r} was removed"), unload=blob is None)
+            if blob is not None:
+                self._parked[peer] = blob
+                while len(self._parked) > MAX_PARKED:  # the oldest goes from NIXL (its socket stays: NIXL's)
+                    oldest = next(iter(self._parked))
+                    del self._parked[oldest]
+                    self._unload(oldest)
 
     def _known(self, peer: Any) -> None:
         """``UnknownPeer`` unless ``peer`` is loaded (also for an unhashable name)."""
@@ -289,8 +305,8 @@ class NixlBackend(Backend):
         except TypeError:
             raise unknown_peer(repr(peer), self._peers) from None
 
-    def _drop_peer(self, peer: str, cause: TransferError) -> None:
-        """Forget ``peer`` here and in NIXL; its transfers in flight end with ``cause``."""
+    def _drop_peer(self, peer: str, cause: TransferError, unload: bool = True) -> None:
+        """Forget ``peer`` here (and, with ``unload``, in NIXL); its transfers in flight end with ``cause``."""
         with self._lock:
             del self._peers[peer]
             self._blobs.pop(peer, None)
@@ -310,8 +326,15 @@ class NixlBackend(Backend):
                     if x.state is _PROC:
                         x.state = XferState.err(cause)
                         self._free_xfer(x, wait=False)
-            with self._nixl:
+            if unload:
+                self._unload(peer)
+
+    def _unload(self, peer: str) -> None:
+        with self._nixl:
+            try:
                 self._agent.remove_remote_agent(peer)  # returns a status; nothing to undo either way
+            except Exception as e:  # noqa: BLE001 - not loaded (any more): nothing to unload
+                log.debug("NIXL would not unload %r: %s", peer, native.status_name(e))
 
     # -- prep -----------------------------------------------------------------
 
@@ -654,11 +677,12 @@ class NixlBackend(Backend):
                         self._agent.deregister_memory(reg)
                     except Exception as e:
                         log.warning("NIXL would not deregister memory at close: %s", native.status_name(e))
-            for peer in self._peers:
+            for peer in [*self._peers, *self._parked]:
                 try:
                     self._agent.remove_remote_agent(peer)
                 except Exception:
                     pass
+            self._parked.clear()
             for h in self._leaked:  # last try; the agent's destructor gets the rest
                 try:
                     self._free(h)

@@ -152,3 +152,50 @@ def test_remove_remote_forgets_the_peer(pair):
         b.notify(name, b"x")
     assert load(b, peer) == name  # and it can be loaded again; the old prep works again
     assert settle(b, b.transfer(Op.READ, lp, [0], rp, [0])).done
+
+
+def test_remove_and_load_again_opens_no_new_connection(pair):
+    """NIXL keeps a removed agent's UCX connection open at both ends until
+    close: one remove_remote_agent per remove_peer left a socket behind in
+    each process per cycle (the connector removes and re-handshakes a peer
+    after every lost connection). A removed peer now stays loaded in NIXL,
+    and loading the same metadata again reuses its connection."""
+    import os
+
+    b, peer, name, lp, rp = pair
+    assert settle(b, b.transfer(Op.READ, lp, [0], rp, [0])).done
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    before = fds()
+    for _ in range(6):
+        b.remove_remote(name)
+        assert load(b, peer) == name
+        assert settle(b, b.transfer(Op.READ, lp, [1], b.prep(name, peer.blocks(np.arange(NUM_BLOCKS))), [1])).done
+    assert fds() <= before + 1, f"{fds() - before} descriptors more after 6 remove/load cycles"
+
+
+def test_a_removed_peer_that_restarted_is_loaded_anew(make_backend, local_buf):
+    """A removed peer stays loaded in NIXL; when it comes back as a new
+    process (same name, new metadata) the old one is unloaded first."""
+    from peerproc import Peer
+
+    b = make_backend()
+    b.register(Descs.from_buffers([local_buf]))
+    lp = b.prep(None, Descs.from_blocks(local_buf.ctypes.data, BLOCK, np.arange(NUM_BLOCKS)))
+    first = Peer(f"restarting-{time.monotonic_ns()}", {"timeout": 5.0})
+    try:
+        name = load(b, first)
+        b.remove_remote(name)
+        first.close()
+        second = Peer(name, {"timeout": 5.0})
+        try:
+            assert load(b, second) == name
+            rp = b.prep(name, second.blocks(np.arange(NUM_BLOCKS)))
+            assert settle(b, b.transfer(Op.READ, lp, [3], rp, [3])).done
+            np.testing.assert_array_equal(local_buf[3], pattern()[3])
+        finally:
+            second.close()
+    finally:
+        first.close()
