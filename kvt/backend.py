@@ -407,18 +407,30 @@ def take_handle(preps: HandleTable, xfers: HandleTable, handle):
 
 
 class PeerTable(dict):
-    """Peer name -> what a backend keeps of it.  Looking up (``[]``) or
-    removing a name nobody loaded, or one already removed, raises
-    ``UnknownPeer`` listing the names that are loaded."""
+    """Peer name -> what a backend keeps of it.  Looking up (``[]``, ``named``)
+    or removing a name nobody loaded, or one already removed, raises
+    ``UnknownPeer`` listing the names that are loaded.  ``[]`` is the plain
+    dict lookup (the hot path: names the backend checked before); a name
+    straight from a caller goes through ``named`` or ``remove``, which also
+    refuse an unhashable one with ``UnknownPeer`` (dict raises TypeError)."""
 
     def __missing__(self, name):
         raise unknown_peer(name, self)
 
+    def named(self, name):
+        """The peer's entry; ``UnknownPeer`` if there is none."""
+        try:
+            return self[name]
+        except TypeError:
+            raise unknown_peer(name, self) from None
+
     def remove(self, name):
         """Remove and return the peer's entry; ``UnknownPeer`` if there is none."""
-        if name not in self:
-            raise unknown_peer(name, self)
-        return self.pop(name)
+        self.named(name)
+        try:
+            return self.pop(name)
+        except KeyError:  # removed by another thread meanwhile
+            raise unknown_peer(name, self) from None
 
 
 class Inbox:

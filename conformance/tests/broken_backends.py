@@ -309,6 +309,16 @@ class BrokenAcceptsAnyOption(ExampleBackend):
         pass
 
 
+class BrokenUnhashablePeerName(ExampleBackend):
+    """Test double: looks a caller's peer name up with ``[]`` (the example
+    before it used ``PeerTable.named``): an unhashable name is a TypeError."""
+
+    def prep(self, peer, descs):
+        if peer is not None:
+            self._peers[peer]
+        return super().prep(peer, descs)
+
+
 class BrokenCloseNoDrain(ExampleBackend):
     """Test double: ``close`` does not wait for peers' copies into or out of
     its memory, as ``deregister`` does (the example's own close, before it
@@ -503,6 +513,7 @@ SUITES = {
     "BrokenEmptyPeerName": ("TransferTests", "MetadataTests"),
     "BrokenReaddDropsPeer": ("TransferTests", "MetadataTests"),
     "BrokenAcceptsAnyOption": ("ErrorTests",),
+    "BrokenUnhashablePeerName": ("ErrorTests",),
     "BrokenCloseNoDrain": ("RegistrationTests", "OwnerCheckTests"),
     "BrokenTruncatesLongRows": ("TransferTests",),
     "BrokenTransferAfterRemove": ("MetadataTests",),
@@ -524,6 +535,6 @@ VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDon
             BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenReaddDropsPeer, BrokenAcceptsAnyOption,
             BrokenCloseNoDrain, BrokenTruncatesLongRows, BrokenTransferAfterRemove, BrokenRemoveKeepsInFlight,
             BrokenDupAttachedNotif, BrokenNotifToLastPeer, BrokenNotifyNoSizeCheck, BrokenNotifyNoTypeCheck,
-            BrokenReleasePrepEndsTransfers, BrokenLeaksWorkerOnClose)
+            BrokenReleasePrepEndsTransfers, BrokenLeaksWorkerOnClose, BrokenUnhashablePeerName)
 if HostBackend is not None:
     VARIANTS += (BrokenHostBlockingCheckState,)

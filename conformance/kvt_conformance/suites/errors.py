@@ -187,15 +187,18 @@ class ErrorTests(BackendFixtures):
             assert got == [b"marker"], (f"the peer's first message after a refused notify is {got!r:.80}, expected "
                                         "the marker sent next: a refused notify must send nothing")
 
-    def test_unknown_peer(self, backend, local_buffer):
+    @pytest.mark.parametrize("name", ["no-such-agent", ["no-such-agent"], {}], ids=["str", "list", "dict"])
+    def test_unknown_peer(self, backend, local_buffer, name):
+        """A peer name nobody loaded, also one that is not even hashable
+        (a dict lookup raises TypeError: use ``PeerTable.named``)."""
         buf = local_buffer(1024)
         with pytest.raises(UnknownPeer):
-            backend.prep("no-such-agent", buf.blocks(256, [0]))
+            backend.prep(name, buf.blocks(256, [0]))
         with pytest.raises(UnknownPeer):
-            backend.remove_remote("no-such-agent")
+            backend.remove_remote(name)
         if backend.capabilities.notifications:
             with pytest.raises(UnknownPeer):
-                backend.notify("no-such-agent", b"x")
+                backend.notify(name, b"x")
 
     @pytest.mark.parametrize("how", ["unregistered", "past-the-end", "before-the-start", "deregistered",
                                      "one-byte-past-the-end", "one-byte-before-the-start", "length-wraps"])

@@ -164,7 +164,7 @@ class ExampleBackend(Backend):
 
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
         descs = self._prep_descs(descs)
-        self._within(descs, self._regions.of(descs.kind) if peer is None else self._peers[peer], peer)
+        self._within(descs, self._regions.of(descs.kind) if peer is None else self._peers.named(peer), peer)
         h = self._next_id()
         self._preps[h] = (peer, descs)
         return PrepHandle(h)
@@ -228,7 +228,7 @@ class ExampleBackend(Backend):
     def notify(self, peer: str, msg: bytes) -> None:
         self._check_open()
         self._check_notif(msg)
-        self._peers[peer]  # known?
+        self._peers.named(peer)  # known? (any name a caller passes)
         target = _AGENTS.get(peer)
         if target is None or target._closed:
             raise PeerDisconnected(f"peer {peer!r} is gone")

@@ -536,7 +536,7 @@ class HostBackend(Backend):
 
     def prep(self, peer: str | None, descs: Descs) -> PrepHandle:
         descs = self._prep_descs(descs)
-        owner = None if peer is None else self._peers[peer]
+        owner = None if peer is None else self._peers.named(peer)
         inc = None if owner is None else owner.inc  # before its regions: a restart meanwhile leaves it old, never new
         self._within(descs, self._regions.of(descs.kind) if owner is None else owner.regions.get(descs.kind), peer)
         # translate once here, so the shm path costs no lookup per transfer; the generation first:
@@ -933,7 +933,7 @@ class HostBackend(Backend):
     def notify(self, peer: str, msg: bytes) -> None:
         self._check_open()
         self._check_notif(msg)
-        p = self._peers[peer]
+        p = self._peers.named(peer)
         try:
             p.lane.submit(self._send_notif, p, bytes(msg))
         except RuntimeError:  # its worker was shut down (remove_remote or close) in between

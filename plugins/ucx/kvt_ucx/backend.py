@@ -403,7 +403,7 @@ class UcxBackend(Backend):
                 if self._self is None:
                     self._self = self._connect(self._metadata(), ours=True)
                 return self._self
-        return self._peers[name]
+        return self._peers.named(name)
 
     # -- transfers ------------------------------------------------------------
 
