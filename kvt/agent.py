@@ -565,6 +565,8 @@ class Agent:
             raise IncompatiblePeer(f"peer {info.name!r} uses backend {info.backend!r}, we use "
                                    f"{self.backend_name!r}; configure both sides with the same backend")
         with self._peer_lock(info.name):
+            with self._lock:  # posts meanwhile build their route again, in _route, after the reload
+                self._drop_preps(lambda peer, _: peer == info.name)
             name = self.backend.add_remote(info.metadata)
             with self._lock:
                 self._drop_preps(lambda peer, _: peer == name)
@@ -669,7 +671,9 @@ class Agent:
 
     def _route(self, peer: str, layout: str, rname: str) -> _Route:
         """Check and prep a layout pairing once; transfers then reuse it."""
-        with self._lock:  # layouts and preps read together: add_peer or register_blocks may replace them
+        # layouts and preps read together: add_peer (under the peer's lock: never half reloaded) or
+        # register_blocks may replace them
+        with self._peer_lock(peer), self._lock:
             mine, theirs = self._layout(None, layout), self._layout(peer, rname)
             if mine.block_len != theirs.block_len or len(mine.base_addrs) != len(theirs.base_addrs):
                 raise IncompatiblePeer(

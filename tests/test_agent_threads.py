@@ -5,6 +5,7 @@ point where the other must get in (found by a concurrency audit)."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
@@ -130,3 +131,38 @@ def test_a_lost_peer_recovered_meanwhile_is_no_key_error(pair):
     a._lost = PoppedMeanwhile({name: time.monotonic() - 1})
     with a.read_blocks(name, [0], [1]) as x:
         x.wait(5)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["fresh-route", "cached-route"])
+def test_a_post_racing_a_peer_reload_waits_for_the_new_layout(pair, monkeypatch, cached):
+    """Between the backend's add_remote and the agent's tables taking the
+    new AgentInfo, a post built its route from the old layout: the old
+    addresses, refused by the peer (a descriptor error instead of the read)."""
+    a, b, _ = pair
+    name = a.connect(b.listen())
+    if cached:
+        with a.read_blocks(name, [0], [1]) as x:
+            x.wait(5)
+    new = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64)[::-1].copy()
+    b.register_blocks("kv", [new])  # the old buffer is deregistered: its addresses are refused now
+    info = b.info()
+    real, entered, go = a.backend.add_remote, threading.Event(), threading.Event()
+
+    def held(md):
+        out = real(md)
+        entered.set()
+        assert go.wait(20)
+        return out
+
+    monkeypatch.setattr(a.backend, "add_remote", held)
+    t, out = _in_thread(lambda: a.add_peer(info))
+    assert entered.wait(10)
+    p, got = _in_thread(lambda: a.read_blocks(name, [2], [3]).wait(10))
+    time.sleep(0.2)
+    go.set()
+    t.join(20)
+    p.join(20)
+    assert out.get("value") == name, out
+    assert "error" not in got, got
+    mine = (ctypes.c_uint8 * 256).from_address(a.layouts["kv"].base_addrs[0])
+    np.testing.assert_array_equal(np.frombuffer(mine, np.uint8).reshape(4, 64)[2], new[3])

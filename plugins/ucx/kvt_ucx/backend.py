@@ -278,24 +278,33 @@ class UcxBackend(Backend):
             vet.vet(self._config, self._address, md.address, md.rkeys, peer_mode, md.name)
         # an agent in this same process cannot die on its own: nothing to watch
         pidfd = self._pidfd(md) if same_host and not ours and md.pid != self._pid else -1
+        ep, own, watched, keys = None, -1, False, []
         try:
-            ep = self._worker.connect(md.address, peer_mode)
-        except self._ucp.Error as e:
+            try:
+                ep = self._worker.connect(md.address, peer_mode)
+            except self._ucp.Error as e:
+                raise PeerDisconnected(f"cannot reach peer {md.name!r}: {e.args[0]}") from None
             if pidfd >= 0:
-                os.close(pidfd)
-            raise PeerDisconnected(f"cannot reach peer {md.name!r}: {e.args[0]}") from None
-        own = -1
-        if pidfd >= 0:
-            own = os.dup(pidfd)
-            ep.watch(pidfd)  # the progress thread fails the endpoint when the process exits
-        try:
-            keys = [ep.unpack(k) if k else None for k in md.rkeys]
-        except self._ucp.Error as e:
-            ep.close()
-            if own >= 0:
-                os.close(own)
-            raise WireError(f"metadata of {md.name!r}: a remote key UCX cannot unpack: {e.args[0]}") from None
-        epoch = EpochWatch.open(md.pid, md.epoch_fd, md.epoch) if pidfd >= 0 else None
+                own = os.dup(pidfd)
+                ep.watch(pidfd)  # the progress thread fails the endpoint when the process exits
+                watched = True  # (the endpoint owns pidfd from here)
+            try:
+                for k in md.rkeys:
+                    keys.append(ep.unpack(k) if k else None)
+            except self._ucp.Error as e:
+                raise WireError(f"metadata of {md.name!r}: a remote key UCX cannot unpack: {e.args[0]}") from None
+            epoch = EpochWatch.open(md.pid, md.epoch_fd, md.epoch) if pidfd >= 0 else None
+        except BaseException as e:  # nothing made for it stays open
+            for h in [*(k.destroy for k in keys if k is not None), *([ep.close] if ep is not None else [])]:
+                try:
+                    h()
+                except Exception:  # noqa: BLE001 - the worker closed under it: freed with the worker
+                    pass
+            for fd in ([pidfd] if pidfd >= 0 and not watched else []) + ([own] if own >= 0 else []):
+                os.close(fd)
+            if isinstance(e, RuntimeError):  # the C module's "the UCX worker is closed": close() ran meanwhile
+                self._check_open()
+            raise
         return _Peer(md, regions, ep, keys, same_host, epoch, own)
 
     def _pidfd(self, md: UcxMetadata) -> int:
@@ -321,8 +330,12 @@ class UcxBackend(Backend):
             return md.name
         peer = self._connect(md)
         with self._lock:
-            old = self._peers.pop(md.name, None)
-            self._peers[md.name] = peer
+            closed = self._closed  # close() ran while we connected, and did not see this peer
+            if closed:
+                old = None
+            else:
+                old = self._peers.pop(md.name, None)
+                self._peers[md.name] = peer
             if old is not None and old.failed is None and _process(old.md) == _process(md):
                 # the same process registered or deregistered memory: what is in flight to it
                 # finishes on the old endpoint and keys, freed once it settled
@@ -333,6 +346,9 @@ class UcxBackend(Backend):
         for p in [old, *gone]:
             if p is not None and p.failed is None:  # a failed one is disconnected already
                 self._drop(p, PeerDisconnected(f"peer {md.name!r} was replaced by new metadata"))
+        if closed:
+            self._drop(peer, PeerDisconnected("backend closed"))
+            self._check_open()
         self._reap()
         return md.name
 
@@ -591,10 +607,18 @@ class UcxBackend(Backend):
             self._peer(peer).ep.notify(bytes(msg))
         except self._ucp.Error as e:
             raise native.error_of(e.args[1], f"notification to {peer!r}") from None
+        except RuntimeError as e:  # the worker closed under us (close() on another thread)
+            self._check_open()
+            raise PeerDisconnected(f"notification to {peer!r}: {e}") from None
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()
-        for sender, msg in self._worker.take_notifs():
+        try:
+            got = self._worker.take_notifs()
+        except RuntimeError as e:  # as in notify
+            self._check_open()
+            raise TransferError(f"reading notifications: {e}") from None
+        for sender, msg in got:
             self._inbox.deliver(sender.decode("utf-8", "replace"), msg)
         return self._inbox.take()
 

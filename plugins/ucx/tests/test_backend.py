@@ -110,3 +110,79 @@ def test_without_libucx_it_says_why_it_is_unusable():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert out.startswith("False the UCP binding kvt_ucx._ucp or libucx is not importable"), out
     assert "refused: the UCP binding" in out
+
+
+def _fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_add_remote_racing_close_is_closed_error_and_frees_the_connection(make_backend):
+    """add_remote connected outside the lock, then stored the peer without
+    checking that close() had run meanwhile: it returned on a closed backend
+    and the endpoint, keys, pidfd and epoch watch stayed open for good; or
+    the closed worker's RuntimeError escaped and leaked the peer's pidfd."""
+    import threading
+
+    from kvt import memory
+
+    other = make_backend("target")
+    buf = memory.empty(1 << 16)
+    other.register(Descs.from_buffers([buf]))
+    md = other.local_metadata()
+    for hold_after_connect in (True, False):
+        b = make_backend()
+        before = _fds()
+        real, entered, go = b._connect if hold_after_connect else b._worker.connect, threading.Event(), threading.Event()
+
+        def held(*args, real=real, first=hold_after_connect):
+            out = real(*args) if first else None
+            entered.set()
+            assert go.wait(20)
+            return out if first else real(*args)
+
+        if hold_after_connect:  # connected: close() runs before the peer is stored
+            b._connect = lambda md_, held=held: held(md_)
+        else:  # close() runs before UCX connects (the C module raises RuntimeError)
+            b._worker = type("W", (), {"connect": staticmethod(held), "__getattr__": lambda s, n: getattr(real.__self__, n)})()
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", _outcome(b.add_remote, md)))
+        t.start()
+        assert entered.wait(10)
+        if not hold_after_connect:
+            b._worker = real.__self__
+        b.close()
+        go.set()
+        t.join(20)
+        assert isinstance(out["r"], ClosedError), out
+        assert not b._peers
+        assert _fds() <= before, f"{_fds() - before} descriptors left open ({hold_after_connect=})"
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return e
+
+
+def test_notify_and_get_notifs_racing_close_raise_kvt_errors(make_backend):
+    """Past their closed check, the worker closed by close() on another
+    thread: the C module's RuntimeError escaped."""
+    from kvt import memory
+    from kvt.errors import KvtError
+
+    a, target = make_backend(), make_backend("target")
+    target.register(Descs.from_buffers([memory.empty(4096)]))
+    name = a.add_remote(target.local_metadata())
+    a.close()
+    a._closed = False  # as if close() ran right after the calls' own check
+    for call in (lambda: a.notify(name, b"x"), a.get_notifs):
+        try:
+            call()
+        except KvtError:
+            pass
+        else:
+            raise AssertionError("a call on a closed worker returned")
+    a._closed = True
