@@ -245,9 +245,10 @@ class NixlBackend(Backend):
             vet.vet(self._settings, md.nixl, md.name)
         with self._lock:
             self._check_open()
-            if self._parked.get(md.name, md.nixl) != md.nixl:  # removed, then restarted: NIXL forgets the old one
+            parked = self._parked.pop(md.name, None)
+            if parked is not None and parked != md.nixl:  # removed, then restarted: NIXL forgets the old one
                 self._unload(md.name)
-            self._parked.pop(md.name, None)
+                parked = None
             if md.name in self._peers and self._blobs.get(md.name) != md.nixl:
                 # a restarted peer (same name, new process): NIXL would keep talking to the old
                 # one, so forget it first; what was in flight to it ends ERR
@@ -259,6 +260,8 @@ class NixlBackend(Backend):
                 with self._nixl:
                     name = self._agent.add_remote_agent(md.nixl)
             except Exception as e:
+                if parked is not None:  # still loaded in NIXL as it was: parked again (close unloads it)
+                    self._parked[md.name] = parked
                 # undecodable is a WireError; decodable but unreachable (no UCX transport in
                 # common, e.g. UCX_TLS differs) cannot be paired with us
                 raise native.translate(e, f"loading the NIXL metadata of {md.name!r}", WireError,

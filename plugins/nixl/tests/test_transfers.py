@@ -199,3 +199,21 @@ def test_a_removed_peer_that_restarted_is_loaded_anew(make_backend, local_buf):
             second.close()
     finally:
         first.close()
+
+
+def test_a_parked_peer_whose_reload_fails_stays_parked(pair, monkeypatch):
+    """NIXL still has it loaded then: close() must still unload it."""
+    from kvt.errors import KvtError
+
+    b, peer, name, lp, rp = pair
+    b.remove_remote(name)
+
+    def refuse(blob):
+        raise RuntimeError("NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(b._agent, "add_remote_agent", refuse)
+    with pytest.raises(KvtError):
+        load(b, peer)
+    monkeypatch.undo()
+    assert name in b._parked and name not in b._peers
+    assert load(b, peer) == name and name not in b._parked
