@@ -42,4 +42,4 @@ def test_agents_sharing_a_key_across_hosts_and_others_refused(net, nodes, backen
     for name, env in (("keyless", {}), ("other-key", {"KVT_AUTH_KEY": "another-" + "k" * 32})):
         other = nodes(b, name, backend, env=env, timeout=60.0)
         rep = other.call("connect", endpoint=prefill.endpoint)
-        assert rep["error"] == "AuthenticationError" and "auth_key" in rep["msg"], rep
+        assert rep["error"] == "AuthenticationError" and "auth_key" in rep["msg"], (name, rep)

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -26,7 +29,7 @@ from kvt.agent import fetch_info
 from kvt.auth import ClientSession, Secret
 from kvt.config import load_config
 from kvt.errors import AuthenticationError, HandshakeError, KvtError, RemoteRejected, TransferTimeout
-from kvt.handshake import curve_client
+from kvt.handshake import curve_client, request
 from kvt.wire import HandshakeReply, HandshakeRequest, decode, encode
 from kvt_host.protocol import HostMetadata, Reply, Request
 from owner import REGION, owner_process
@@ -147,6 +150,37 @@ def test_handshake_without_key_gets_only_a_refusal(owner):
     assert rep.payload == b"" and rep.error.startswith("AuthenticationError:")
     assert leaks(got, owner) == []
     assert_unharmed(owner)
+
+
+def test_keyless_handshake_reset_before_the_greeting_is_an_authentication_error():
+    """Across a real link a keyed server's reset often overtakes its greeting
+    (tests/multihost), so a keyless client sees its handshake dropped without
+    a mechanism mismatch, several times in a row: that too is
+    ``AuthenticationError`` at once, not ``HandshakeTimeout`` at the timeout."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def reset_everyone():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # RST before any greeting
+
+    t = threading.Thread(target=reset_everyone, daemon=True)
+    t.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(AuthenticationError, match="it has an auth_key"):
+            request(f"tcp://127.0.0.1:{srv.getsockname()[1]}", b"x", timeout=10)
+        assert time.monotonic() - started < 5
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
 
 
 def test_handshake_with_wrong_key_gets_only_a_refusal(owner):
