@@ -468,20 +468,20 @@ def test_one_handshake_timeout_covers_every_rank_the_params_name(workers, monkey
 
     given = []
 
-    def slow_rank(endpoint, name, timeout, secret):  # a rank answering after 0.3 s of the 0.5 allowed
+    def slow_rank(endpoint, name, timeout, secret):  # a rank answering after 1.8 s of the 3 allowed
         given.append(timeout)
-        time.sleep(min(0.3, timeout))
+        time.sleep(min(1.8, timeout))
         return None
 
     monkeypatch.setattr(worker, "fetch_info", slow_rank)
     monkeypatch.setattr(worker, "check_peer", lambda *args, **kwargs: None)
     monkeypatch.setattr(worker.WorkerCard, "from_info", staticmethod(lambda info: None))
-    d, _, _ = workers("d", handshake_timeout=0.5)
+    d, _, _ = workers("d", handshake_timeout=3.0)
     src = RemoteSource(engine_id="x", request_id="r", block_ids=[0], tp_size=4,
                        endpoints=[f"tcp://127.0.0.1:{1000 + r}" for r in range(4)])
     with pytest.raises(HandshakeTimeout):
         d._handshake(src)
-    assert len(given) == 2 and given[1] < 0.25, given  # the second rank got what was left
+    assert len(given) == 2 and given[1] < 1.5, given  # the second rank got what was left (<= 1.2 s)
 
 
 def test_a_handshake_failing_after_some_ranks_loaded_unloads_them(workers):

@@ -17,6 +17,7 @@ import signal
 import time
 
 import pytest
+from kvt_conformance.peer import freeze
 
 from cluster import BACKENDS, NUM_BLOCKS, NodeFailure, need_backend
 
@@ -50,7 +51,7 @@ def test_soak(net, nodes, backend):
             prefill = nodes(a, "prefill", backend, salt=salt, port=7800, timeout=TIMEOUT, env=env)
             counts["restarts"] += 1
         if i == freeze_at:
-            os.kill(prefill.proc.pid, signal.SIGSTOP)
+            freeze(prefill.proc.pid)  # every thread stopped, not just signalled
             counts["freezes"] += 1
         if i == freeze_at + 3:
             os.kill(prefill.proc.pid, signal.SIGCONT)

@@ -36,6 +36,7 @@ def settle(t, limit):
 
 def main() -> int:
     from kvt import Agent
+    from kvt_conformance.peer import freeze
     from peer import BLOCK, NUM_BLOCKS, peer_process
 
     backend, runs, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
@@ -47,7 +48,7 @@ def main() -> int:
         for run in range(runs):
             with peer_process(f"victim{run}", backend, options) as victim:
                 name = me.connect(victim.endpoint, timeout=30)
-                os.kill(victim.proc.pid, signal.SIGSTOP)
+                freeze(victim.proc.pid)  # every thread stopped: a bare SIGSTOP lets one answer for a moment
                 start = time.monotonic()
                 inflight = me.read_blocks(name, range(NUM_BLOCKS), range(NUM_BLOCKS), notif=b"x")
                 time.sleep(0.1)
