@@ -4,7 +4,7 @@
   engine returns with a finished request and the decode engine receives with
   the new one (through the router, usually as JSON).  Field names follow
   vLLM's NixlConnector so routers written for it work unchanged; kvt adds
-  ``remote_endpoints``, ``expires_at`` and ``kvt_version``.
+  ``remote_endpoints``, ``remote_agents``, ``expires_at`` and ``kvt_version``.
 * ``ConnectorMetadata`` — what the scheduler side hands its workers each step.
 * ``ReadNotif`` — what a decode rank tells a prefill rank when it is done
   with a request's blocks (attached to the read, or alone).
@@ -25,7 +25,7 @@ __all__ = ["CONNECTOR_VERSION", "MAX_TP", "TransferParams", "RemoteSource", "Rec
            "ConnectorMetadata", "ReadNotif"]
 
 #: bump when prefill and decode sides of different versions cannot pair
-CONNECTOR_VERSION = 2  # 2: params carry prompt_digest, which kvt_mac covers
+CONNECTOR_VERSION = 3  # 2: params carry prompt_digest; 3: remote_agents; kvt_mac covers both
 #: the largest prefill tensor-parallel size ``kv_transfer_params`` may name
 MAX_TP = 1024
 
@@ -35,6 +35,7 @@ _Id = Annotated[str, Meta(max_length=1024)]
 _Port = Annotated[int, Meta(ge=1, le=65535)]
 _Endpoint = Annotated[str, Meta(max_length=300, pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")]  # what kvt's side channel serves
 _BlockId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+_AgentName = Annotated[str, Meta(max_length=256)]
 _PARAMS_LABEL = b"kv_transfer_params"
 
 
@@ -57,6 +58,9 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     remote_port: _Port | None = None
     tp_size: Annotated[int, Meta(ge=1, le=MAX_TP)] = 1
     remote_endpoints: Annotated[list[_Endpoint], Meta(max_length=MAX_TP)] = []
+    #: the agent name of each prefill rank that holds the blocks: a name is drawn anew at each
+    #: start, so a decode engine never reads these block ids from a restarted process
+    remote_agents: Annotated[list[_AgentName], Meta(max_length=MAX_TP)] = []
     expires_at: Annotated[float, Meta(ge=0, le=1e11)] | None = None  # finite: NaN never compares
     kvt_version: int = CONNECTOR_VERSION
     #: BLAKE2b-128 of the prompt the prefill engine computed (``prompt_identity``); the decode
@@ -74,7 +78,8 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         # Python's json keeps lone surrogates ("\ud800"), which no wire encodes: refused here, not
         # as a UnicodeEncodeError out of the engine's scheduler step (signing, the step's metadata)
         try:
-            for text in (self.remote_engine_id, self.remote_request_id, self.remote_host, *self.remote_endpoints):
+            for text in (self.remote_engine_id, self.remote_request_id, self.remote_host, *self.remote_endpoints,
+                         *self.remote_agents):
                 if text is not None:
                     text.encode()
         except UnicodeEncodeError:
@@ -113,7 +118,7 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         # everything that says what to read and from whom (not the do_* flags, which engines flip)
         return msgspec.msgpack.encode((self.kvt_version, self.remote_engine_id, self.remote_request_id,
                                        self.remote_block_ids, self.endpoints(), self.tp_size, self.expires_at,
-                                       self.prompt_digest))
+                                       self.prompt_digest, self.remote_agents))
 
     def sign(self, secret: Secret | None) -> "TransferParams":
         """These params with ``kvt_mac`` set (unchanged without a secret)."""
@@ -134,6 +139,9 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if len(self.endpoints()) != self.tp_size:
             return (f"kv_transfer_params give {len(self.endpoints())} endpoints for tp_size {self.tp_size}; "
                     "pass remote_endpoints (one per prefill rank) or remote_host and remote_port")
+        if self.remote_agents and len(self.remote_agents) != self.tp_size:
+            return (f"kv_transfer_params name {len(self.remote_agents)} remote_agents for tp_size {self.tp_size}; "
+                    "pass the prefill engine's params on unchanged")
         if secret is not None:
             if self.kvt_mac is None:
                 return ("kv_transfer_params carry no kvt_mac but this engine has an auth_key: set the same "
@@ -153,6 +161,7 @@ class RemoteSource(msgspec.Struct, frozen=True, kw_only=True):
     endpoints: list[str]   #: handshake endpoint of each prefill rank
     tp_size: int
     expires_at: float | None = None
+    agents: list[str] = []  #: agent name of each prefill rank (empty: not known, not checked)
 
 
 class RecvRequest(msgspec.Struct, frozen=True, kw_only=True):

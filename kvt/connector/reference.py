@@ -216,7 +216,7 @@ def _worker_main(spec: EngineSpec, rank: int, conn, env: dict[str, str]) -> None
     try:
         caches = _caches(spec, rank)
         with ConnectorWorker(spec.connector_config(), rank) as worker:
-            conn.send(("ready", worker.register_kv_caches(caches)))
+            conn.send(("ready", (worker.register_kv_caches(caches), worker.agent.name)))
             layers = list(caches.values())
             while conn.poll(_REPLY_TIMEOUT * 5):  # no word from the engine for that long: it is gone
                 cmd, work = conn.recv()
@@ -276,7 +276,9 @@ class _Engine:
             self.procs.append(p)
 
     def start(self) -> None:
-        self.sched.set_worker_endpoints(dict(enumerate(self._gather("ready"))))
+        ready = self._gather("ready")  # (endpoint, agent name) of each rank
+        self.sched.set_worker_endpoints({r: e for r, (e, _) in enumerate(ready)},
+                                        {r: name for r, (_, name) in enumerate(ready)})
 
     def _gather(self, want: str = "ok") -> list:
         out = []

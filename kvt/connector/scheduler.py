@@ -202,6 +202,7 @@ class ConnectorScheduler:
         key = config.kvt_config().auth_key
         self._secret = Secret(key) if key is not None else None  # signs and checks kv_transfer_params
         self._endpoints = [config.endpoint(r) for r in range(config.tp_size)] if config.side_channel_port else []
+        self._agents: list[str] = []  # the workers' agent names, once set_worker_endpoints gave them
         self._to_recv: dict[str, RecvRequest] = {}
         self._to_save: dict[str, list[int]] = {}
         self._to_send: dict[str, float] = {}
@@ -210,20 +211,28 @@ class ConnectorScheduler:
         self._spent = _Spent()
         self._checked = _Checked()
 
-    def set_worker_endpoints(self, endpoints: Mapping[int, str]) -> None:
+    def set_worker_endpoints(self, endpoints: Mapping[int, str], agents: Mapping[int, str] | None = None) -> None:
         """The handshake endpoint of every rank (each worker's
-        ``register_kv_caches`` returns its own).  Needed unless
-        ``side_channel_port`` fixes them."""
-        if sorted(endpoints) != list(range(self.config.tp_size)):
-            raise InvalidArgument(f"need one endpoint per rank 0..{self.config.tp_size - 1}, got ranks "
-                                  f"{sorted(endpoints)}")
-        listed = [endpoints[r] for r in range(self.config.tp_size)]
+        ``register_kv_caches`` returns its own), and its agent name
+        (``ConnectorWorker.agent.name``).  Endpoints are needed unless
+        ``side_channel_port`` fixes them; with the names, our params tell
+        decode engines which processes hold the blocks, so none reads them
+        from a restart of ours (which draws new names) and none gives up a
+        request of the restart over a connection to the process before."""
+        ranks = list(range(self.config.tp_size))
+        if sorted(endpoints) != ranks or (agents is not None and sorted(agents) != ranks):
+            raise InvalidArgument(f"need one endpoint per rank 0..{self.config.tp_size - 1} (and one agent name per "
+                                  f"rank, if any), got ranks {sorted(endpoints)}"
+                                  + ("" if agents is None else f" and {sorted(agents)}"))
+        listed = [endpoints[r] for r in ranks]
+        names = [] if agents is None else [agents[r] for r in ranks]
         try:  # as decode engines will parse them from our params
-            TransferParams.parse({"remote_endpoints": listed, "tp_size": len(listed)})
+            TransferParams.parse({"remote_endpoints": listed, "remote_agents": names, "tp_size": len(listed)})
         except InvalidArgument:
             raise InvalidArgument(f"worker endpoints must be tcp://host:port strings (what register_kv_caches "
-                                  f"returns), got {listed[:4]!r}") from None
-        self._endpoints = listed
+                                  f"returns) and agent names strings of up to 256 characters, got {listed[:4]!r}, "
+                                  f"{names[:4]!r}") from None
+        self._endpoints, self._agents = listed, names
 
     # -- decode side ----------------------------------------------------------
 
@@ -363,7 +372,7 @@ class ConnectorScheduler:
         self._spent.add((p.remote_engine_id, p.remote_request_id), until, req_id)
         self._to_recv[req_id] = RecvRequest(local_block_ids=local, remote=RemoteSource(
             engine_id=p.remote_engine_id, request_id=p.remote_request_id, block_ids=remote,
-            endpoints=p.endpoints(), tp_size=p.tp_size, expires_at=p.expires_at))
+            endpoints=p.endpoints(), tp_size=p.tp_size, expires_at=p.expires_at, agents=p.remote_agents))
         if local:
             self._loading.add(req_id)
 
@@ -435,7 +444,7 @@ class ConnectorScheduler:
             do_remote_prefill=True, remote_block_ids=_ids(block_ids[:full]), remote_engine_id=self.config.engine_id,
             remote_request_id=req_id, remote_host=self.config.side_channel_host,
             remote_port=self.config.side_channel_port or None, tp_size=self.config.tp_size,
-            remote_endpoints=list(self._endpoints), expires_at=expires_at,
+            remote_endpoints=list(self._endpoints), remote_agents=list(self._agents), expires_at=expires_at,
             prompt_digest=self._prompt_digest(request) if full else None)
         return bool(full), out.sign(self._secret if full else None).to_dict()
 

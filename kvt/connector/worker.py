@@ -113,6 +113,14 @@ class _Remote:
     endpoints: tuple[str, ...] = ()  # what it was handshaken through: requests naming others re-handshake
 
 
+def _restarted(remote: _Remote, src: RemoteSource) -> bool:
+    """Whether the params of ``src`` name other prefill agents than the
+    connection ``remote`` reaches (a name is drawn anew at each start).
+    Params without names are not checked."""
+    return bool(src.agents) and any(rank >= len(src.agents) or src.agents[rank] != name
+                                    for rank, name in remote.peers.items())
+
+
 @dataclass
 class _Recv:
     req: RecvRequest
@@ -430,11 +438,12 @@ class ConnectorWorker:
         src = req.remote
         key = (src.engine_id, tuple(src.endpoints))
         remote = self._remotes.get(src.engine_id)
-        if remote is not None and remote.endpoints == key[1]:
+        if remote is not None and remote.endpoints == key[1] and not _restarted(remote, src):
             self._start(req_id, req, remote)
             return
         # a request naming other endpoints for a known engine (a restart on new ports, or params
-        # pointing elsewhere) handshakes with them: it never reads through another request's connection
+        # pointing elsewhere) handshakes with them: it never reads through another request's connection;
+        # so does one naming other agents (a restart, before or after its hand-off: the handshake says)
         self._waiting.setdefault(key, []).append((req_id, req))
         if key not in self._handshakes:
             self._handshakes[key] = (self._pool.submit(self._handshake, src), src)
@@ -467,7 +476,10 @@ class ConnectorWorker:
             waiting, engine_id = self._waiting.pop(key, []), src.engine_id
             remote = self._remotes.get(engine_id)
             try:
-                if remote is None or remote.endpoints != key[1]:  # else connected meanwhile (a retry)
+                # else connected meanwhile (a retry), to the processes this handshake reached
+                if (remote is None or remote.endpoints != key[1]
+                        or (fut.exception() is None and any(remote.peers.get(rank) != info.name
+                                                            for rank, info in fut.result()))):
                     remote = self._connect(engine_id, src.tp_size, tuple(src.endpoints), fut.result())
                     if (old := self._remotes.get(engine_id)) is not None:
                         self._retired.append(old)  # released once no read uses it
@@ -538,6 +550,10 @@ class ConnectorWorker:
             self._give_up(req_id, req, f"prefill engine {src.engine_id!r} has TP {remote.tp_size}, the request "
                                        f"says {src.tp_size}; restart the decode engine to re-handshake")
             return
+        if _restarted(remote, src):  # the params' processes are gone: these ids name others' blocks
+            self._give_up(req_id, req, f"prefill engine {src.engine_id!r} restarted after it handed the request "
+                                       "off; its blocks died with the old process (recompute it)")
+            return
         if not req.local_block_ids:  # nothing to read: let the prefill side free now
             self._notify(remote.peers.values(), notif)
             self.stats["notified_only"] += 1
@@ -546,7 +562,9 @@ class ConnectorWorker:
             self._give_up(req_id, req, why)
             return
         recv = self._loading[req_id]
-        if recv.retry_of is not None and self._incarnations(remote) != recv.retry_of:
+        # params that name the prefill agents were checked just above; without them, a retry reads
+        # only from the incarnation the first attempt did
+        if recv.retry_of is not None and not src.agents and self._incarnations(remote) != recv.retry_of:
             self._give_up(req_id, req, f"prefill engine {src.engine_id!r} restarted; the request's blocks "
                                        "died with its old process (recompute it)")
             return

@@ -61,10 +61,11 @@ class KvtConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvtHandshakeMetadata(KVConnectorHandshakeMetadata):
-    """Where a worker serves its kvt handshake."""
+    """Where a worker serves its kvt handshake, and its agent's name."""
 
     tp_rank: int
     endpoint: str
+    agent: str = ""
 
 
 #: how a prefill request may end and still hand its blocks off (by name: vLLM's RequestStatus)
@@ -202,7 +203,9 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self._scheduler.set_worker_endpoints({rank: m.endpoint for rank, m in metadata.items()})
+        agents = {rank: m.agent for rank, m in metadata.items()}
+        self._scheduler.set_worker_endpoints({rank: m.endpoint for rank, m in metadata.items()},
+                                             agents if all(agents.values()) else None)
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """What vLLM >= 0.2x calls: ``{(pp_rank, tp_rank): metadata}``."""
@@ -233,7 +236,8 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
                                   head_dim=head_dim if kv_layout == "packed" else None)
         rank = get_tensor_model_parallel_rank()
         self._worker = ConnectorWorker(config, rank, copy_blocks=self._copy_blocks)
-        self._handshake = KvtHandshakeMetadata(rank, self._worker.register_kv_caches(caches))
+        self._handshake = KvtHandshakeMetadata(rank, self._worker.register_kv_caches(caches),
+                                               self._worker.agent.name)
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
         """Host staging copies with vLLM's platform ops (kvt's torch copies until set)."""

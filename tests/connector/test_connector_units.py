@@ -11,6 +11,7 @@ import pytest
 
 from kvt.connector import (ConnectorConfig, ConnectorMetadata, ConnectorScheduler, EngineRequest,
                            FinishedAggregator, KVCacheSpec, ReadNotif, TransferParams)
+from kvt.auth import Secret
 from kvt.connector.compat import WorkerCard, check_peer
 from kvt.connector.scheduler import _Spent
 from kvt.connector.tp import Slice, part_layout, plan_reads, readers_per_rank, remote_ranks
@@ -397,6 +398,23 @@ def test_prefill_needs_its_workers_endpoints():
         sched.set_worker_endpoints({1: "tcp://x:1"})
     sched.set_worker_endpoints({0: "tcp://x:1"})
     assert sched.request_finished(EngineRequest("r", 8, {"do_remote_decode": True}), [1, 2])[0]
+
+
+def test_prefill_params_name_its_workers_agents_under_the_tag(monkeypatch):
+    monkeypatch.setenv("KVT_AUTH_KEY", KEY)
+    sched = ConnectorScheduler(config("p"))
+    with pytest.raises(InvalidArgument, match="one agent name per rank"):
+        sched.set_worker_endpoints({0: "tcp://x:1"}, {1: "p-tp1-abc"})
+    with pytest.raises(InvalidArgument, match="agent names"):
+        sched.set_worker_endpoints({0: "tcp://x:1"}, {0: "p" * 257})
+    sched.set_worker_endpoints({0: "tcp://x:1"}, {0: "p-tp0-abc"})
+    _, params = sched.request_finished(EngineRequest("r", 8, {"do_remote_decode": True}), [1, 2])
+    assert params["remote_agents"] == ["p-tp0-abc"]
+    secret = Secret(KEY)
+    assert TransferParams.parse(params).source_problem(secret) is None
+    forged = TransferParams.parse({**params, "remote_agents": ["p-tp0-xyz"]})
+    assert "kvt_mac" in forged.source_problem(secret)  # the names are under the tag
+    assert "remote_agents" in TransferParams.parse({**params, "remote_agents": ["a", "b"]}).source_problem()
 
 
 def test_decode_schedules_one_read_pairing_blocks_in_token_order():

@@ -90,6 +90,7 @@ def test_sequential_token_identical(pair, expected, name):
     params = first["kv_transfer_params"]
     whole = len(PROMPTS[name]) // BLOCK
     assert params["do_remote_prefill"] and len(params.get("remote_block_ids", [])) == whole
+    assert params["remote_agents"][0].startswith(f"{params['remote_engine_id']}-tp0-")  # who holds them
     out = decode.generate([PROMPTS[name]], MAX_TOKENS, [params])[0]
     assert out["tokens"] == expected[name]
 

@@ -85,6 +85,9 @@ def test_token_identical_and_every_block_read_once(engines, expected):
     ptp, prefill, decode = engines
     handed = _handed(prefill)
     assert all(p.get("tp_size", 1) == ptp and len(p["remote_endpoints"]) == ptp for p in handed), handed
+    # each rank's agent, as vLLM's handshake-metadata channel gave it to the scheduler (docs/reliability.md)
+    assert all([a.rsplit("-", 1)[0] for a in p["remote_agents"]] == [f"{p['remote_engine_id']}-tp{r}"
+                                                                      for r in range(ptp)] for p in handed), handed
     before = _bytes_read(decode)
     assert _decode(decode, handed) == expected
     assert _bytes_read(decode) - before == WHOLE * BLOCK_BYTES
