@@ -36,8 +36,9 @@ def schedulers(key: str | None) -> tuple[ConnectorScheduler, ConnectorScheduler]
     if key:
         os.environ["KVT_AUTH_KEY"] = key
     try:
-        return (ConnectorScheduler(ConnectorConfig(engine_id="p", kv=SPEC, side_channel_port=7000)),
-                ConnectorScheduler(ConnectorConfig(engine_id="d", kv=SPEC)))
+        prefill = ConnectorScheduler(ConnectorConfig(engine_id="p", kv=SPEC))
+        prefill.set_worker_endpoints({0: "tcp://127.0.0.1:7000"}, {0: "p-tp0-bench"})
+        return prefill, ConnectorScheduler(ConnectorConfig(engine_id="d", kv=SPEC))
     finally:
         os.environ.pop("KVT_AUTH_KEY", None)
 

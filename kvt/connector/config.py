@@ -106,7 +106,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     #: host -> device after receive) for devices the backend cannot reach
     kv_buffer_device: str | None = None
     #: address peers dial for the handshake; rank r listens on ``side_channel_port + r``
-    #: (0: any free port, then the scheduler learns endpoints via ``set_worker_endpoints``)
+    #: (0: any free port); the scheduler learns them, with each rank's agent name, from ``set_worker_endpoints``
     side_channel_host: str = "127.0.0.1"
     side_channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     #: seconds the prefill side holds a finished request's blocks for its readers

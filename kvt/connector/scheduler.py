@@ -19,8 +19,14 @@ in the order an engine makes them::
     # params go back to the router; if delay_free, free the blocks only once
     # the request id comes back from every worker in done_sending
 
-Requests are anything with ``request_id``, ``num_prompt_tokens`` and a
-mutable ``kv_transfer_params`` dict (``EngineRequest`` is a ready one).  Only
+A prefill engine first tells its scheduler where its workers are::
+
+    sched.set_worker_endpoints({rank: endpoint}, {rank: agent_name})  # each worker's
+                                                    # register_kv_caches() and agent.name
+
+Requests are anything with ``request_id``, ``num_prompt_tokens``,
+``prompt_token_ids`` and a mutable ``kv_transfer_params`` dict
+(``EngineRequest`` is a ready one).  Only
 whole blocks move: the tail of a prompt that does not fill a block is
 computed by the decode engine, so a prompt shorter than one block moves
 nothing and the prefill side frees it at once.
@@ -53,7 +59,8 @@ class Request(Protocol):
     request_id: str
     num_prompt_tokens: int
     kv_transfer_params: dict[str, Any] | None
-    # and, where the engine has them, ``prompt_token_ids`` (see ``prompt_identity``)
+    # and ``prompt_token_ids``, which bind a hand-off to its prompt (see ``prompt_identity``);
+    # only requests from prompt embeddings go without
 
 
 @dataclass
@@ -83,6 +90,23 @@ def _request_id(request: Request) -> str:
         pass
     raise InvalidArgument(f"request id {str(rid)[:80]!r} cannot travel between engines (text of at most "
                           f"{MAX_REQUEST_ID} characters, valid UTF-8): the request runs without the connector")
+
+
+def _count(value: Any, what: str) -> int:
+    """``value`` as a count (an int, numpy's too; not a bool); ``InvalidArgument`` otherwise."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    raise InvalidArgument(f"{what} must be an int, got {type(value).__name__} {str(value)[:40]!r}")
+
+
+def _blocks(block_ids: Any) -> Sequence[int]:
+    """``block_ids`` if it is a sequence of block ids (a list, tuple, range,
+    numpy array...); ``InvalidArgument`` otherwise."""
+    if hasattr(block_ids, "__len__") and hasattr(block_ids, "__getitem__") \
+            and not isinstance(block_ids, (str, bytes, Mapping)):
+        return block_ids
+    raise InvalidArgument(f"block_ids must be a sequence of block ids (e.g. a list of ints), "
+                          f"got {type(block_ids).__name__}")
 
 
 def _ids(block_ids: Sequence[int]) -> list[int]:
@@ -201,8 +225,8 @@ class ConnectorScheduler:
         self._identity = identity  # what binds a hand-off to its prompt (prompt_identity)
         key = config.kvt_config().auth_key
         self._secret = Secret(key) if key is not None else None  # signs and checks kv_transfer_params
-        self._endpoints = [config.endpoint(r) for r in range(config.tp_size)] if config.side_channel_port else []
-        self._agents: list[str] = []  # the workers' agent names, once set_worker_endpoints gave them
+        self._endpoints: list[str] = []  # the workers' handshake endpoints and agent names,
+        self._agents: list[str] = []  # once set_worker_endpoints gave them
         self._to_recv: dict[str, RecvRequest] = {}
         self._to_save: dict[str, list[int]] = {}
         self._to_send: dict[str, float] = {}
@@ -210,28 +234,31 @@ class ConnectorScheduler:
         self._saved: dict[str, np.ndarray] = {}  # host staging: each prefill request's blocks so far
         self._spent = _Spent()
         self._checked = _Checked()
+        self._warned_unbound = False  # a hand-off named no prompt (logged once)
 
-    def set_worker_endpoints(self, endpoints: Mapping[int, str], agents: Mapping[int, str] | None = None) -> None:
+    def set_worker_endpoints(self, endpoints: Mapping[int, str], agents: Mapping[int, str]) -> None:
         """The handshake endpoint of every rank (each worker's
-        ``register_kv_caches`` returns its own), and its agent name
-        (``ConnectorWorker.agent.name``).  Endpoints are needed unless
-        ``side_channel_port`` fixes them; with the names, our params tell
+        ``register_kv_caches`` returns its own) and its agent name
+        (``ConnectorWorker.agent.name``).  A prefill engine hands nothing off
+        before this call, fixed ``side_channel_port`` or not: the names tell
         decode engines which processes hold the blocks, so none reads them
-        from a restart of ours (which draws new names) and none gives up a
-        request of the restart over a connection to the process before."""
+        from a restart of ours (same ids and ports, other contents: it draws
+        new names) and none gives up a request of the restart over a
+        connection to the process before."""
         ranks = list(range(self.config.tp_size))
-        if sorted(endpoints) != ranks or (agents is not None and sorted(agents) != ranks):
-            raise InvalidArgument(f"need one endpoint per rank 0..{self.config.tp_size - 1} (and one agent name per "
-                                  f"rank, if any), got ranks {sorted(endpoints)}"
-                                  + ("" if agents is None else f" and {sorted(agents)}"))
-        listed = [endpoints[r] for r in ranks]
-        names = [] if agents is None else [agents[r] for r in ranks]
+        if not (isinstance(endpoints, Mapping) and isinstance(agents, Mapping)) \
+                or set(endpoints) != set(ranks) or set(agents) != set(ranks):
+            raise InvalidArgument(f"need one endpoint and one agent name per rank 0..{self.config.tp_size - 1}, as "
+                                  f"{{rank: value}} mappings, got {str(endpoints)[:120]} and {str(agents)[:120]}")
+        listed, names = [endpoints[r] for r in ranks], [agents[r] for r in ranks]
         try:  # as decode engines will parse them from our params
+            if not all(names):
+                raise InvalidArgument("empty name")
             TransferParams.parse({"remote_endpoints": listed, "remote_agents": names, "tp_size": len(listed)})
         except InvalidArgument:
             raise InvalidArgument(f"worker endpoints must be tcp://host:port strings (what register_kv_caches "
-                                  f"returns) and agent names strings of up to 256 characters, got {listed[:4]!r}, "
-                                  f"{names[:4]!r}") from None
+                                  f"returns) and agent names non-empty strings of up to 256 characters (each "
+                                  f"worker's agent.name), got {listed[:4]!r}, {names[:4]!r}") from None
         self._endpoints, self._agents = listed, names
 
     # -- decode side ----------------------------------------------------------
@@ -277,8 +304,12 @@ class ConnectorScheduler:
         handed it off for another prompt.  (Signed with ``auth_key``, the
         digest cannot be dropped or changed; without one, clients are trusted
         and this only catches a router's mix-up.)"""
-        if p.prompt_digest is None or p.prompt_digest == self._prompt_digest(request):
+        ours = self._prompt_digest(request)
+        if p.prompt_digest == ours:
             return None
+        if p.prompt_digest is None:  # else a prefill engine that binds nothing turns the check off unseen
+            return ("its kv_transfer_params name no prompt (the prefill engine's request had no prompt_token_ids) "
+                    "and this request has one: give the prefill engine's requests their prompt_token_ids")
         return ("its kv_transfer_params were handed off for another prompt (prompt_digest differs): the decode "
                 "request must carry the prompt the prefill engine computed (and its adapter and inputs)")
 
@@ -291,12 +322,14 @@ class ConnectorScheduler:
 
     def _end_block(self, request: Request, p: TransferParams) -> int:
         """Blocks that come from the prefill side: the prompt's whole blocks."""
-        return min(request.num_prompt_tokens // self.config.kv.block_size, len(p.remote_block_ids))
+        return min(_count(request.num_prompt_tokens, "request.num_prompt_tokens") // self.config.kv.block_size,
+                   len(p.remote_block_ids))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` the prefill side provides,
         and whether they load asynchronously (always, when there are any).
         No side effects."""
+        num_computed_tokens = _count(num_computed_tokens, "num_computed_tokens")
         p = self._source(request)
         if p is None:
             return 0, False
@@ -321,6 +354,7 @@ class ConnectorScheduler:
         ``do_remote_prefill``, so the request is not held as a prefill when
         it ends."""
         params, req_id = request.kv_transfer_params, request.request_id
+        block_ids, num_external_tokens = _blocks(block_ids), _count(num_external_tokens, "num_external_tokens")
         if isinstance(params, Mapping) and not params.get("do_remote_prefill") and params.get("do_remote_decode"):
             req_id = _request_id(request)
             if self.config.kv_role == "kv_consumer":  # held for nobody: its blocks would wait out the timeout
@@ -429,23 +463,32 @@ class ConnectorScheduler:
             return True, None
         if not params.get("do_remote_decode"):
             return False, None
-        full = 0 if aborted else min(request.num_prompt_tokens // self.config.kv.block_size, len(block_ids))
-        if full and len(self._endpoints) != self.config.tp_size:
-            raise InvalidArgument("the prefill scheduler does not know its workers' endpoints; call "
-                                  "set_worker_endpoints (or set side_channel_port)")
+        full = 0 if aborted else min(_count(request.num_prompt_tokens, "request.num_prompt_tokens")
+                                     // self.config.kv.block_size, len(_blocks(block_ids)))
+        if full and len(self._agents) != self.config.tp_size:
+            raise InvalidArgument("the prefill scheduler does not know its workers yet: call set_worker_endpoints"
+                                  "(endpoints, agents) with each worker's register_kv_caches() and agent.name "
+                                  "before handing requests off")
         self._saved.pop(req_id, None)
         if aborted:
             self._to_save.pop(req_id, None)
             return False, None
         expires_at = time.time() + self.config.abort_request_timeout if full else None
+        digest = None
         if full:
             self._to_send[req_id] = expires_at
+            digest = self._prompt_digest(request)
+            if digest is None and not self._warned_unbound:
+                self._warned_unbound = True
+                log.warning("request %s has no prompt_token_ids (prompt embeddings?): its kv_transfer_params name "
+                            "no prompt, and decode engines refuse them for requests that have prompt token ids "
+                            "(logged once)", req_id[:80])
         out = TransferParams(
             do_remote_prefill=True, remote_block_ids=_ids(block_ids[:full]), remote_engine_id=self.config.engine_id,
             remote_request_id=req_id, remote_host=self.config.side_channel_host,
             remote_port=self.config.side_channel_port or None, tp_size=self.config.tp_size,
             remote_endpoints=list(self._endpoints), remote_agents=list(self._agents), expires_at=expires_at,
-            prompt_digest=self._prompt_digest(request) if full else None)
+            prompt_digest=digest)
         return bool(full), out.sign(self._secret if full else None).to_dict()
 
     def outstanding(self) -> dict[str, int]:

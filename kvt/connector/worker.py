@@ -149,13 +149,25 @@ class _Send:
     seen: float = field(default_factory=time.monotonic)
 
 
+def _address(t: Any) -> int:
+    """Where a KV cache tensor (torch) or array (numpy) starts."""
+    return t.data_ptr() if hasattr(t, "data_ptr") else t.__array_interface__["data"][0]
+
+
+def _device(t: Any) -> str:
+    """``"cpu"``, ``"cuda"``...: numpy arrays are host memory."""
+    return getattr(getattr(t, "device", None), "type", "cpu")
+
+
 class ConnectorWorker:
     """The connector of one TP rank.  ``copy_blocks`` replaces the torch
     copies used for host staging (``kv_buffer_device="cpu"``)."""
 
     def __init__(self, config: ConnectorConfig, tp_rank: int = 0, *, copy_blocks: CopyBlocks | None = None):
-        if not 0 <= tp_rank < config.tp_size:
-            raise InvalidArgument(f"tp_rank must be in [0, {config.tp_size}), got {tp_rank}")
+        if not (isinstance(tp_rank, (int, np.integer)) and not isinstance(tp_rank, bool)
+                and 0 <= tp_rank < config.tp_size):
+            raise InvalidArgument(f"tp_rank must be an int in [0, {config.tp_size}), got {tp_rank!r}")
+        tp_rank = int(tp_rank)
         self.config, self.rank = config, tp_rank
         port = config.side_channel_port + tp_rank if config.side_channel_port else 0
         kvt_config = config.kvt_config(name=f"{config.engine_id}-tp{tp_rank}-{secrets.token_hex(3)}",
@@ -204,7 +216,7 @@ class ConnectorWorker:
     # -- registration ---------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> str:
-        """Register this rank's KV cache (layer name -> tensor, see
+        """Register this rank's KV cache (layer name -> torch tensor or numpy array, see
         ``KVCacheSpec`` for the shapes) and start serving our metadata.
         Returns the handshake endpoint.  ``InvalidArgument`` names a tensor
         whose shape or dtype does not match the spec."""
@@ -212,20 +224,25 @@ class ConnectorWorker:
         if self._card is not None:
             raise InvalidArgument("register_kv_caches was already called for this worker")
         spec = self.config.kv
+        if not isinstance(kv_caches, Mapping):
+            raise InvalidArgument(f"register_kv_caches takes {{layer name: tensor}}, got {type(kv_caches).__name__}")
         if len(kv_caches) != spec.num_layers:
             raise InvalidArgument(f"got {len(kv_caches)} layers, the spec says num_layers={spec.num_layers}")
         buffers, seen = [], set()
         for name, value in kv_caches.items():
             for t in self._buffers_of(name, value):
-                if t.data_ptr() not in seen:  # layers may share one cache tensor
-                    seen.add(t.data_ptr())
+                if _address(t) not in seen:  # layers may share one cache tensor
+                    seen.add(_address(t))
                     buffers.append(t)
         if len({int(t.shape[0]) for t in buffers}) != 1:
             raise InvalidArgument("every KV cache tensor needs the same number of blocks (first dimension)")
         if self.config.staging:
+            if not all(hasattr(t, "data_ptr") for t in buffers):
+                raise InvalidArgument("host staging (kv_buffer_device='cpu') copies from device tensors: "
+                                      "numpy arrays are host memory already, register them without it")
             self._staging = HostStaging(buffers, self._copy)
             buffers = self._staging.host
-        elif self._checker is not None and any(t.device.type != "cpu" for t in buffers):
+        elif self._checker is not None and any(_device(t) != "cpu" for t in buffers):
             # kvt.integrity digests host memory: every read would fail its check
             raise ConfigError(f"integrity checks digest host memory and this KV cache is on "
                               f"{buffers[0].device}: set kv_buffer_device='cpu' (host staging) or turn them off")
@@ -268,6 +285,9 @@ class ConnectorWorker:
         """Take this step's metadata: hold ``reqs_to_send``, start handshakes
         and reads for ``reqs_to_recv``.  Returns at once."""
         self._check_ready()
+        if not isinstance(meta, ConnectorMetadata):
+            raise InvalidArgument(f"start_load_kv takes the step's ConnectorMetadata (a worker in another process: "
+                                  f"ConnectorMetadata.decode() of what meta.encode() gave), got {type(meta).__name__}")
         self._meta = meta
         for req_id, expires_at in meta.reqs_to_send.items():
             self._hold(req_id, expires_at)

@@ -203,9 +203,8 @@ class KvtConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        agents = {rank: m.agent for rank, m in metadata.items()}
         self._scheduler.set_worker_endpoints({rank: m.endpoint for rank, m in metadata.items()},
-                                             agents if all(agents.values()) else None)
+                                             {rank: m.agent for rank, m in metadata.items()})
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """What vLLM >= 0.2x calls: ``{(pp_rank, tp_rank): metadata}``."""

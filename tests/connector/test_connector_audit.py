@@ -121,11 +121,13 @@ def test_retry_started_on_a_connection_another_retry_made_refuses_a_restarted_pr
     the restart and fail, not load the new process's blocks."""
     port = free_port()
     p_old, _, _ = workers("p", fill=1.0, side_channel_port=port)
-    psched = ConnectorScheduler(config("p", side_channel_port=port))
+    psched = ConnectorScheduler(config("p"))
+    psched.set_worker_endpoints({0: f"tcp://127.0.0.1:{port}"}, {0: p_old.agent.name})
     d, dkv, _ = workers("d")
     dsched = ConnectorScheduler(config("d"))
-    p1 = handoff(psched, [p_old], [1, 2], 8, "p-r1")
-    p2 = handoff(psched, [p_old], [3, 4], 8, "p-r2")
+    # params that name no agents (without auth_key a client may drop them): the retry's check alone
+    p1 = {**handoff(psched, [p_old], [1, 2], 8, "p-r1"), "remote_agents": []}
+    p2 = {**handoff(psched, [p_old], [3, 4], 8, "p-r2"), "remote_agents": []}
     double = LossDouble(d.agent.backend)
     monkeypatch.setattr(d.agent.backend, "check_state", double)
     done = [set(), set()]
@@ -156,7 +158,7 @@ def test_retry_started_on_a_connection_another_retry_made_refuses_a_restarted_pr
 def test_reaping_an_idle_retired_connection_keeps_the_peer_a_busy_one_reads_from(workers, monkeypatch):
     p, _, ep = workers("p", fill=1.0)
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: ep})
+    psched.set_worker_endpoints({0: ep}, {0: p.agent.name})
     d, _, _ = workers("d")
     dsched = ConnectorScheduler(config("d"))
     p1 = handoff(psched, [p], [1, 2], 8, "p-r1")
@@ -178,7 +180,7 @@ def test_reaping_an_idle_retired_connection_keeps_the_peer_a_busy_one_reads_from
 def test_a_lost_read_whose_peer_is_unknown_fails_the_request_instead_of_raising(workers, monkeypatch):
     p, _, ep = workers("p", fill=1.0)
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: ep})
+    psched.set_worker_endpoints({0: ep}, {0: p.agent.name})
     d, _, _ = workers("d")
     dsched = ConnectorScheduler(config("d"))
     double = LossDouble(d.agent.backend)
@@ -203,7 +205,7 @@ def test_a_lost_read_whose_peer_is_unknown_fails_the_request_instead_of_raising(
 def test_an_unexpected_error_in_a_read_fails_the_request_instead_of_raising(workers, monkeypatch, where):
     p, _, ep = workers("p", fill=1.0)
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: ep})
+    psched.set_worker_endpoints({0: ep}, {0: p.agent.name})
     d, _, _ = workers("d", kv_buffer_device="cpu")
     dsched = ConnectorScheduler(config("d"))
     decode(dsched, "d-r", handoff(psched, [p], [1, 2], 8, "p-r"), [5, 6])
@@ -228,7 +230,8 @@ def test_an_unexpected_error_in_a_read_fails_the_request_instead_of_raising(work
 def test_params_with_both_flags_are_a_decode_request_throughout(monkeypatch, auth):
     if auth:
         monkeypatch.setenv("KVT_AUTH_KEY", "k" * 32)
-    psched = ConnectorScheduler(config("p", side_channel_port=7000))
+    psched = ConnectorScheduler(config("p"))
+    psched.set_worker_endpoints({0: "tcp://127.0.0.1:7000"}, {0: "p-tp0-abc"})
     _, params = psched.request_finished(EngineRequest("p-req", 12, {"do_remote_decode": True}), [1, 2, 3])
     dsched = ConnectorScheduler(config("d", kv_buffer_device="cpu"))
     req = EngineRequest("d-req", 12, {**params, "do_remote_decode": True})  # a router merged the flags
@@ -250,7 +253,7 @@ def test_params_with_both_flags_are_a_decode_request_throughout(monkeypatch, aut
 def test_params_with_both_flags_load_end_to_end(workers):
     p, pkv, ep = workers("p", fill=1.0)
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: ep})
+    psched.set_worker_endpoints({0: ep}, {0: p.agent.name})
     params = handoff(psched, [p], [1, 2, 3], 12, "p-req")
     d, dkv, _ = workers("d")
     dsched = ConnectorScheduler(config("d"))
@@ -268,7 +271,7 @@ def test_params_with_both_flags_load_end_to_end(workers):
 def test_a_request_naming_other_endpoints_for_a_known_engine_does_not_redirect_later_reads(workers):
     p, pkv, ep_real = workers("p", fill=1.0)
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: ep_real})
+    psched.set_worker_endpoints({0: ep_real}, {0: p.agent.name})
     other, _, ep_other = workers("p", fill=6.0)  # anyone running kvt under the name 'p'
     d, dkv, _ = workers("d")
     dsched = ConnectorScheduler(config("d"))
@@ -296,7 +299,7 @@ def half_read(workers):
     """Decode TP 2 over prefill TP 1: rank 0 has read, rank 1 has not."""
     p, _, ep = workers("p", fill=1.0)
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: ep})
+    psched.set_worker_endpoints({0: ep}, {0: p.agent.name})
     params = handoff(psched, [p], [3, 5, 7], 12, "req")
     d0, _, _ = workers("d", tp=2, rank=0)
     d1, _, _ = workers("d", tp=2, rank=1)
@@ -338,7 +341,7 @@ def test_a_reader_must_be_the_sender_and_read_from_this_rank(workers):
 def test_a_notification_for_a_released_request_does_not_release_a_later_hold_of_that_id(workers):
     p, _, ep = workers("p", fill=1.0)
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: ep})
+    psched.set_worker_endpoints({0: ep}, {0: p.agent.name})
     d, _, _ = workers("d")
     pd = [set(), set()]
     handoff(psched, [p], [1, 2], 8, "req")
@@ -434,7 +437,7 @@ def test_handshakes_with_silent_endpoints_do_not_hold_up_a_real_prefill_engine(w
             silent.append(s)
         p, pkv, ep = workers("p", fill=1.0)
         psched = ConnectorScheduler(config("p"))
-        psched.set_worker_endpoints({0: ep})
+        psched.set_worker_endpoints({0: ep}, {0: p.agent.name})
         d, dkv, _ = workers("d", handshake_timeout=20.0)
         dsched = ConnectorScheduler(config("d"))
         for i, s in enumerate(silent):
@@ -545,7 +548,7 @@ def test_params_with_a_lone_surrogate_are_malformed_not_a_unicode_error(field):
 
 def _prefill_scheduler():
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: "tcp://127.0.0.1:7000"})
+    psched.set_worker_endpoints({0: "tcp://127.0.0.1:7000"}, {0: "p-tp0-abc"})
     return psched
 
 
@@ -595,7 +598,7 @@ def test_worker_endpoints_are_checked_when_set(endpoint):
     from kvt.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="tcp://host:port"):
-        ConnectorScheduler(config("p")).set_worker_endpoints({0: endpoint})
+        ConnectorScheduler(config("p")).set_worker_endpoints({0: endpoint}, {0: "p-tp0-abc"})
 
 
 @pytest.mark.parametrize("params", ["do_remote_prefill", ["x"], 5])

@@ -3,6 +3,7 @@ check and the scheduler side (no network, no backend)."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import msgspec
@@ -119,7 +120,7 @@ def test_config_shapes_and_fixed_endpoints():
 
 
 def test_metadata_round_trips_and_rejects_garbage():
-    sched = ConnectorScheduler(config(tp=1, side_channel_port=7000))
+    sched = prefill("e")
     req = EngineRequest("r", 9, {"do_remote_decode": True})
     sched.request_finished(req, [4, 5, 6])
     meta = sched.build_connector_meta()
@@ -218,14 +219,22 @@ def test_a_peer_without_a_card_is_refused():
 # -- scheduler side ---------------------------------------------------------------
 
 
+def prefill(engine_id="p", tp=1, **kw) -> ConnectorScheduler:
+    """A prefill engine's scheduler that knows its workers (made-up endpoints and agent names)."""
+    sched = ConnectorScheduler(config(engine_id, tp, **kw))
+    sched.set_worker_endpoints({r: f"tcp://127.0.0.1:{7000 + r}" for r in range(tp)},
+                               {r: f"{engine_id}-tp{r}-abc" for r in range(tp)})
+    return sched
+
+
 def prefill_params(block_ids, req_id="p-req", tokens=None, **kw):
-    p = ConnectorScheduler(config("p", side_channel_port=7000, **kw))
+    p = prefill("p", **kw)
     req = EngineRequest(req_id, len(block_ids) * 4, {"do_remote_decode": True}, tokens)
     return p, p.request_finished(req, block_ids)
 
 
 def test_prefill_holds_whole_blocks_and_returns_where_to_read():
-    sched = ConnectorScheduler(config("p", side_channel_port=7000, abort_request_timeout=30))
+    sched = prefill("p", abort_request_timeout=30)
     req = EngineRequest("r", 10, {"do_remote_decode": True})  # 2 whole blocks + 2 tokens
     before = time.time()
     delay, params = sched.request_finished(req, [7, 8, 9])
@@ -276,7 +285,7 @@ def test_params_handed_off_for_one_prompt_do_not_load_another(monkeypatch, key):
     if key:
         monkeypatch.setenv("KVT_AUTH_KEY", key)
     a, b = list(range(100, 112)), list(range(200, 212))
-    _, params = ConnectorScheduler(config("p", side_channel_port=7000)).request_finished(
+    _, params = prefill("p").request_finished(
         EngineRequest("p-req", 12, {"do_remote_decode": True}, a), [20, 21, 22])
     assert len(params["prompt_digest"]) == 32
     sched = ConnectorScheduler(config("d"))
@@ -289,6 +298,44 @@ def test_params_handed_off_for_one_prompt_do_not_load_another(monkeypatch, key):
     no_tokens = EngineRequest("embeds", 12, dict(params))  # prompt embeddings: no token ids
     with pytest.raises(InvalidArgument, match="handed off for another prompt"):
         sched.get_num_new_matched_tokens(no_tokens, 0)
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_params_that_name_no_prompt_load_only_requests_without_one(monkeypatch, caplog, key):
+    """A prefill engine whose requests carry no prompt_token_ids hands off
+    params that name no prompt: decode requests with token ids used to load
+    them whatever their prompt, the prompt check off without anyone seeing."""
+    if key:
+        monkeypatch.setenv("KVT_AUTH_KEY", key)
+    sched_p = prefill("p")
+    with caplog.at_level(logging.WARNING, "kvt.connector.scheduler"):
+        _, params = sched_p.request_finished(EngineRequest("p-1", 12, {"do_remote_decode": True}), [20, 21, 22])
+        sched_p.request_finished(EngineRequest("p-2", 12, {"do_remote_decode": True}), [23, 24, 25])
+    assert params.get("prompt_digest") is None
+    assert sum("no prompt_token_ids" in r.getMessage() for r in caplog.records) == 1  # logged once
+    sched = ConnectorScheduler(config("d"))
+    with pytest.raises(InvalidArgument, match="name no prompt"):
+        sched.get_num_new_matched_tokens(EngineRequest("tokens", 12, dict(params), list(range(12))), 0)
+    assert sched.get_num_new_matched_tokens(EngineRequest("embeds", 12, dict(params)), 0) == (12, True)
+
+
+def test_scheduler_misuse_raises_invalid_argument():
+    _, (_, params) = prefill_params([20, 21, 22])
+    sched = ConnectorScheduler(config("d"))
+    req = EngineRequest("r", 12, dict(params))
+    calls = [lambda: sched.get_num_new_matched_tokens(req, "0"),
+             lambda: sched.get_num_new_matched_tokens(EngineRequest("n", None, dict(params)), 0),
+             lambda: sched.update_state_after_alloc(req, None, 12),
+             lambda: sched.update_state_after_alloc(req, [1, 2, 3], "12"),
+             lambda: prefill("p").request_finished(EngineRequest("p", 12, {"do_remote_decode": True}), None),
+             lambda: prefill("p").set_worker_endpoints(["tcp://127.0.0.1:7000"], ["p-tp0-abc"])]
+    for call in calls:
+        with pytest.raises(InvalidArgument):
+            call()
+    wide = ConnectorScheduler(ConnectorConfig(engine_id="w", kv=msgspec.structs.replace(SPEC, num_kv_heads=12),
+                                              tp_size=12))
+    wide.set_worker_endpoints({r: f"tcp://h:{7000 + r}" for r in range(12)}, {r: f"w{r}" for r in range(12)})
+    assert wide._agents[10] == "w10" and wide._endpoints[2] == "tcp://h:7002"  # in rank order past 9 too
 
 
 def test_auth_key_on_one_side_only(monkeypatch):
@@ -315,6 +362,7 @@ def test_a_waiting_requests_params_are_parsed_and_checked_once(monkeypatch):
     # vLLM asks get_num_new_matched_tokens every step a request waits for blocks
     monkeypatch.setenv("KVT_AUTH_KEY", KEY)
     _, (_, params) = prefill_params([20, 21, 22])
+    _, (_, other) = prefill_params([30, 31, 32], "p-other")
     sched = ConnectorScheduler(config("d"))
     calls = _count_parses(monkeypatch)
     req = EngineRequest("waits", 12, dict(params))
@@ -327,7 +375,7 @@ def test_a_waiting_requests_params_are_parsed_and_checked_once(monkeypatch):
     assert sched.get_num_new_matched_tokens(req, 12) == (0, False)
     assert len(calls) == 1
     # and a request that ends while waiting tells the prefill side from the same check
-    waiting = EngineRequest("gives-up", 12, dict(prefill_params([30, 31, 32], "p-other")[1][1]))
+    waiting = EngineRequest("gives-up", 12, dict(other))
     sched.get_num_new_matched_tokens(waiting, 0)
     assert sched.request_finished(waiting, [], aborted=True) == (False, None)
     assert len(calls) == 2 and sched.build_connector_meta().reqs_to_recv["gives-up"].local_block_ids == []
@@ -369,6 +417,7 @@ def test_remembered_checks_are_bounded(monkeypatch):
 
     monkeypatch.setattr(_Checked, "MAX", 4)
     _, (_, params) = prefill_params([20, 21, 22])
+    _, (_, other) = prefill_params([30, 31, 32], "p-other")
     sched = ConnectorScheduler(config("d"))
     calls = _count_parses(monkeypatch)
     reqs = [EngineRequest(f"r{i}", 12, dict(params)) for i in range(6)]
@@ -381,7 +430,7 @@ def test_remembered_checks_are_bounded(monkeypatch):
 
 
 def test_prefill_frees_short_and_aborted_requests_at_once():
-    sched = ConnectorScheduler(config("p", side_channel_port=7000))
+    sched = prefill("p")
     delay, params = sched.request_finished(EngineRequest("short", 3, {"do_remote_decode": True}), [1])
     assert delay is False and params["do_remote_prefill"] and not params.get("remote_block_ids")
     assert sched.request_finished(EngineRequest("ab", 30, {"do_remote_decode": True}), [1, 2], aborted=True) == (
@@ -390,13 +439,17 @@ def test_prefill_frees_short_and_aborted_requests_at_once():
     assert not sched.build_connector_meta()
 
 
-def test_prefill_needs_its_workers_endpoints():
-    sched = ConnectorScheduler(config("p"))
+@pytest.mark.parametrize("port", [0, 7000])
+def test_prefill_needs_its_workers_endpoints_and_names(port):
+    """Also with a fixed side_channel_port: params without the workers'
+    agent names were read from a restart of the engine on the same port
+    (other contents, same block ids) and reported loaded."""
+    sched = ConnectorScheduler(config("p", side_channel_port=port))
     with pytest.raises(InvalidArgument, match="set_worker_endpoints"):
         sched.request_finished(EngineRequest("r", 8, {"do_remote_decode": True}), [1, 2])
-    with pytest.raises(InvalidArgument, match="one endpoint per rank"):
-        sched.set_worker_endpoints({1: "tcp://x:1"})
-    sched.set_worker_endpoints({0: "tcp://x:1"})
+    with pytest.raises(InvalidArgument, match="one endpoint and one agent name per rank"):
+        sched.set_worker_endpoints({1: "tcp://x:1"}, {1: "p-tp1-abc"})
+    sched.set_worker_endpoints({0: "tcp://x:1"}, {0: "p-tp0-abc"})
     assert sched.request_finished(EngineRequest("r", 8, {"do_remote_decode": True}), [1, 2])[0]
 
 
@@ -405,6 +458,8 @@ def test_prefill_params_name_its_workers_agents_under_the_tag(monkeypatch):
     sched = ConnectorScheduler(config("p"))
     with pytest.raises(InvalidArgument, match="one agent name per rank"):
         sched.set_worker_endpoints({0: "tcp://x:1"}, {1: "p-tp1-abc"})
+    with pytest.raises(InvalidArgument, match="agent names"):
+        sched.set_worker_endpoints({0: "tcp://x:1"}, {0: ""})
     with pytest.raises(InvalidArgument, match="agent names"):
         sched.set_worker_endpoints({0: "tcp://x:1"}, {0: "p" * 257})
     sched.set_worker_endpoints({0: "tcp://x:1"}, {0: "p-tp0-abc"})
@@ -504,8 +559,7 @@ def test_decode_request_ended_before_scheduling_lets_prefill_free():
 
 
 def test_short_prompt_schedules_nothing_on_decode():
-    prefill = ConnectorScheduler(config("p", side_channel_port=7000))
-    _, params = prefill.request_finished(EngineRequest("short", 3, {"do_remote_decode": True}), [9])
+    _, params = prefill("p").request_finished(EngineRequest("short", 3, {"do_remote_decode": True}), [9])
     sched = ConnectorScheduler(config("d"))
     req = EngineRequest("short", 3, params)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -564,7 +618,7 @@ def test_a_kv_producer_refuses_to_load():
 
 
 def test_prefill_staging_copies_the_blocks_each_step_fills():
-    sched = ConnectorScheduler(config("p", side_channel_port=7000, kv_buffer_device="cpu"))
+    sched = prefill("p", kv_buffer_device="cpu")
     req = EngineRequest("r", 30, {"do_remote_decode": True})
     sched.update_state_after_alloc(req, [3, 4], 0)
     assert sched.build_connector_meta().reqs_to_save == {"r": [3, 4]}
@@ -579,7 +633,7 @@ def test_prefill_staging_copies_the_blocks_each_step_fills():
     assert sched.build_connector_meta().reqs_to_save == {"r": [7, 8]}
     sched.update_state_after_alloc(req, [5, 6], 0)
     assert sched.build_connector_meta().reqs_to_save == {"r": [5, 6]}
-    unstaged = ConnectorScheduler(config("p", side_channel_port=7000))
+    unstaged = prefill("p")
     unstaged.update_state_after_alloc(req, [3, 4], 0)
     assert unstaged.build_connector_meta().reqs_to_save == {}
 

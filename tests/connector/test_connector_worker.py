@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,7 +106,7 @@ def handoff(prefill_sched, prefill_workers, block_ids, prompt_len, req_id="req")
 def test_prefill_frees_only_after_every_reader(workers):
     p, pkv, endpoint = workers("p", fill=True)
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: endpoint})
+    psched.set_worker_endpoints({0: endpoint}, {0: p.agent.name})
     params = handoff(psched, [p], [3, 5, 7], 12)
     # decode TP 2 over prefill TP 1: both decode ranks read from prefill rank 0
     d0, dkv0, _ = workers("d", tp=2, rank=0)
@@ -137,11 +138,54 @@ def test_prefill_frees_only_after_every_reader(workers):
         assert not any(w.outstanding().values()), w.outstanding()
 
 
+def test_numpy_caches_are_read_like_tensors(workers):
+    """Engines without torch register numpy arrays (host memory)."""
+    shape = (2, BLOCKS, *SPEC.block_shape(1))
+    rng = np.random.default_rng(0)
+    pkv = {f"l{i}": rng.standard_normal(shape).astype(np.float16) for i in range(SPEC.num_layers)}
+    dkv = {f"l{i}": np.zeros(shape, np.float16) for i in range(SPEC.num_layers)}
+    p, d = ConnectorWorker(config("p")), ConnectorWorker(config("d"))
+    try:
+        psched = ConnectorScheduler(config("p"))
+        psched.set_worker_endpoints({0: p.register_kv_caches(pkv)}, {0: p.agent.name})
+        d.register_kv_caches(dkv)
+        params = handoff(psched, [p], [3, 5, 7], 12)
+        dsched = ConnectorScheduler(config("d"))
+        req = EngineRequest("d-req", 12, dict(params))
+        dsched.update_state_after_alloc(req, [0, 1, 2], dsched.get_num_new_matched_tokens(req, 0)[0])
+        d.start_load_kv(dsched.build_connector_meta())
+        done = [set(), set()]
+        pump([(d, done), (p, [set(), set()])], lambda: "d-req" in done[1])
+        assert d.get_block_ids_with_load_errors() == set()
+        for name in pkv:
+            assert np.array_equal(dkv[name][:, [0, 1, 2]], pkv[name][:, [3, 5, 7]])
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_misuse_raises_invalid_argument(workers):
+    """What an integrator gets wrong first is named, not an AttributeError
+    from inside the connector."""
+    with pytest.raises(InvalidArgument, match="tp_rank must be an int"):
+        ConnectorWorker(config("p"), "0")
+    w, _, _ = workers("p")
+    for meta in (b"encoded", None, {}):  # the bytes of meta.encode(), not decoded
+        with pytest.raises(InvalidArgument, match="ConnectorMetadata.decode"):
+            w.start_load_kv(meta)
+    fresh = ConnectorWorker(config("q"))
+    try:
+        with pytest.raises(InvalidArgument, match="layer name: tensor"):
+            fresh.register_kv_caches(None)
+    finally:
+        fresh.shutdown()
+
+
 def test_notification_before_the_hold(workers):
     p, _, endpoint = workers("p", fill=True)
     d, _, _ = workers("d")
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: endpoint})
+    psched.set_worker_endpoints({0: endpoint}, {0: p.agent.name})
     req = EngineRequest("req", 8, {"do_remote_decode": True})
     _, params = psched.request_finished(req, [1, 2])
     dsched = ConnectorScheduler(config("d"))
@@ -167,7 +211,7 @@ def test_with_integrity_checks_the_prefill_side_holds_the_blocks_until_they_are_
     p, _, endpoint = workers("p", fill=True)
     d, dkv, _ = workers("d")
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: endpoint})
+    psched.set_worker_endpoints({0: endpoint}, {0: p.agent.name})
     params = handoff(psched, [p], [1, 2], 8)
     dsched = ConnectorScheduler(config("d"))
     dreq = EngineRequest("d-req", 8, dict(params))
@@ -196,7 +240,7 @@ def _one_read(p, endpoint, d, engine, req_id, src_ids, dst_ids):
     """Hand ``req_id`` off from prefill worker ``p`` (engine ``engine``) and
     start decode worker ``d``'s read of it."""
     psched = ConnectorScheduler(config(engine))
-    psched.set_worker_endpoints({0: endpoint})
+    psched.set_worker_endpoints({0: endpoint}, {0: p.agent.name})
     params = handoff(psched, [p], src_ids, len(src_ids) * SPEC.block_size, req_id)
     dsched = ConnectorScheduler(config("d"))
     dreq = EngineRequest(f"d-{req_id}", len(src_ids) * SPEC.block_size, dict(params))
@@ -300,7 +344,7 @@ def test_notifications_for_requests_not_held_are_bounded(workers, monkeypatch):
     p, _, endpoint = workers("p", fill=True)
     d, _, _ = workers("d")
     psched = ConnectorScheduler(config("p"))
-    psched.set_worker_endpoints({0: endpoint})
+    psched.set_worker_endpoints({0: endpoint}, {0: p.agent.name})
     _, params = psched.request_finished(EngineRequest("req", 8, {"do_remote_decode": True}), [1, 2])
     prefill_peer = d.agent.connect(endpoint)
     made_up_readers = [ReadNotif("made-up-49", f"reader-{i}", 1024) for i in range(50)]
@@ -359,7 +403,7 @@ def test_read_that_lost_its_peer_is_retried_once(workers, monkeypatch):
     p, pkv, endpoint = workers("p", fill=True)
     d, dkv, _ = workers("d")
     psched, dsched = ConnectorScheduler(config("p")), ConnectorScheduler(config("d"))
-    psched.set_worker_endpoints({0: endpoint})
+    psched.set_worker_endpoints({0: endpoint}, {0: p.agent.name})
     real = d.agent.backend.check_state
     lose = {"left": 1}
 

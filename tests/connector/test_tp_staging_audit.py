@@ -77,7 +77,8 @@ def pd(kv: KVCacheSpec, ptp=1, dtp=1, *, pstaging=False, dstaging=False, pblocks
         pkv = [make_caches(kv, ptp, pblocks, pstaging, 7 if kv.mla else 7 + r) for r in range(ptp)]
         dkv = [make_caches(specs["d"], dtp, dblocks, dstaging, None) for _ in range(dtp)]
         psched = ConnectorScheduler(cfg("p", ptp, pstaging))
-        psched.set_worker_endpoints({r: w.register_kv_caches(c) for r, (w, c) in enumerate(zip(pws, pkv))})
+        psched.set_worker_endpoints({r: w.register_kv_caches(c) for r, (w, c) in enumerate(zip(pws, pkv))},
+                                    {r: w.agent.name for r, w in enumerate(pws)})
         for w, c in zip(dws, dkv):
             w.register_kv_caches(c)
         # prefill: allocate (staging schedules the save), compute, finish, hold

@@ -208,8 +208,9 @@ def targets():
             finally:
                 os.environ.pop("KVT_AUTH_KEY", None)
         key = "fuzz-" + "k" * 32
-        _, params = scheduler("p", key, side_channel_port=7000).request_finished(
-            EngineRequest("p-req", 16, {"do_remote_decode": True}), [3, 4, 5, 6])
+        prefill = scheduler("p", key)
+        prefill.set_worker_endpoints({0: "tcp://127.0.0.1:7000"}, {0: "p-tp0-abc"})
+        _, params = prefill.request_finished(EngineRequest("p-req", 16, {"do_remote_decode": True}), [3, 4, 5, 6])
         signed = ((3, 4, 5, 6), "p", "p-req", ("tcp://127.0.0.1:7000",), 1)
         decoders = [scheduler("d"), scheduler("d", key)]
         counter = iter(range(1 << 62))

@@ -90,6 +90,20 @@ class Engine:
         (``sampling``: more ``SamplingParams`` arguments for every prompt)."""
         return self.call("generate", prompts, max_tokens, params, sampling, timeout=timeout)
 
+    def held(self, prompt: list[int], want: int | None = None, timeout: float = 10.0) -> int:
+        """Requests this (prefill) engine's scheduler still holds for readers.
+        It takes the readers' notifications when it steps, and one sent just
+        before may still be on its way: step (``prompt``, one token) until the
+        count is ``want`` (``None``: once) or ``timeout`` passes, and return
+        the last count."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.generate([prompt], 1)
+            count = self.call("scheduler")["requests"]
+            if want is None or count == want or time.monotonic() > deadline:
+                return count
+            time.sleep(0.05)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)

@@ -56,11 +56,10 @@ def _handed(prefill: Engine, prompts: list[list[int]]) -> list[dict]:
     return [o["kv_transfer_params"] for o in outs]
 
 
-def _held(prefill: Engine) -> int:
-    """Requests the prefill engine still holds for readers, once it took the
-    notifications sent so far (it takes them when it steps)."""
-    prefill.generate([PROMPT], 1)
-    return prefill.call("scheduler")["requests"]
+def _held(prefill: Engine, want: int | None = None) -> int:
+    """Requests the prefill engine still holds for readers (``want``: the
+    count expected once the notifications sent so far arrived)."""
+    return prefill.held(PROMPT, want)
 
 
 def _refusals(log: Path) -> int:
@@ -71,8 +70,9 @@ def test_hostile_params_never_stop_the_engine(engines):
     prefill, decode, log, own = engines
     idle = decode.call("scheduler")
     real = _handed(prefill, [PROMPT] * 4)
-    where = {k: real[0][k] for k in ("remote_engine_id", "remote_endpoints", "expires_at")}
-    dead = {"do_remote_prefill": True, "remote_engine_id": "p-x", "remote_endpoints": [DEAD], "tp_size": 1}
+    where = {k: real[0][k] for k in ("remote_engine_id", "remote_endpoints", "expires_at", "prompt_digest")}
+    dead = {"do_remote_prefill": True, "remote_engine_id": "p-x", "remote_endpoints": [DEAD], "tp_size": 1,
+            "prompt_digest": real[0]["prompt_digest"]}  # this prompt's: no engine key here, nothing is signed
     refused = [  # computed by the decode engine, one ERROR line each
         {**dead, "remote_request_id": "r1", "remote_block_ids": [-1, 2, 3]},
         {**dead, "remote_request_id": "r2", "remote_block_ids": [2**64 - 1]},  # vLLM refuses bigger ints
@@ -86,6 +86,8 @@ def test_hostile_params_never_stop_the_engine(engines):
         {**dead, "remote_request_id": "r10", "remote_block_ids": [1] * 100_000 + [-5]},
         {**dead, "remote_request_id": "r11", "remote_block_ids": [1, 2], "remote_endpoints": ["ipc:///tmp/x"]},
         {"do_remote_prefill": True, "remote_block_ids": [1, 2]},  # nowhere to read from
+        {**where, "do_remote_prefill": True, "remote_request_id": "r12", "remote_block_ids": [1, 2],
+         "prompt_digest": None},  # names no prompt, and this request has one
     ]
     failing = [  # well-formed but unusable: the load fails and vLLM recomputes the request
         {**dead, "remote_request_id": "f1", "remote_block_ids": [1, 2, 3, 4, 5]},
@@ -107,7 +109,7 @@ def test_hostile_params_never_stop_the_engine(engines):
     assert _refusals(log) - before == len(refused)
     assert decode.call("scheduler") == idle  # nothing left allocated or tracked
     # the prefill engine frees what decode read or gave up on: real[0] after its failed read
-    assert _held(prefill) == 0
+    assert _held(prefill, 0) == 0
     # and the pair still works
     assert decode.generate([PROMPT], MAX_TOKENS, _handed(prefill, [PROMPT]))[0]["tokens"] == own["prompt"]
 
@@ -143,7 +145,7 @@ def test_hostile_params_to_the_prefill_engine(engines):
     # the decode engine reads the two handed off (max_tokens 6: held until then)
     handed = [o["kv_transfer_params"] for o in outs[4:]]
     assert [o["tokens"] for o in decode.generate([PROMPT] * 2, MAX_TOKENS, handed)] == [own["prompt"]] * 2
-    assert _held(prefill) == held
+    assert _held(prefill, held) == held
 
 
 def test_prompt_logprobs_with_handed_params_and_chunked_prefill(engines):
@@ -157,5 +159,5 @@ def test_prompt_logprobs_with_handed_params_and_chunked_prefill(engines):
     handed = _handed(prefill, [LONG])
     out = decode.generate([LONG], MAX_TOKENS, handed, sampling={"prompt_logprobs": 1})[0]
     assert out["tokens"] == own["long"]
-    assert _held(prefill) == held  # freed at once, not after abort_request_timeout
+    assert _held(prefill, held) == held  # freed at once, not after abort_request_timeout
     assert decode.generate([LONG], MAX_TOKENS, _handed(prefill, [LONG]))[0]["tokens"] == own["long"]

@@ -51,8 +51,7 @@ def test_proven_reads_load(engines):
     assert [o["tokens"] for o in decode.generate(PROMPTS, MAX_TOKENS, _handed(prefill))] == own
     assert decode.metric("vllm:kvt_bytes_transferred_sum") > before  # read, not computed
     assert decode.metric("vllm:kvt_num_failed_recvs") == 0
-    prefill.generate([PROMPTS[0]], 1)  # the prefill engine steps, so it takes the readers' notifications
-    assert prefill.call("scheduler")["requests"] == 0  # each released by its reader, once proven
+    assert prefill.held(PROMPTS[0], 0) == 0  # each released by its reader, once proven
 
 
 def test_corrupted_reads_are_recomputed_not_used(engines):
@@ -65,7 +64,6 @@ def test_corrupted_reads_are_recomputed_not_used(engines):
         decode.call("setenv", {"KVT_INTEGRITY_TEST_FLIP": "0"})
     assert [o["tokens"] for o in outs] == own
     assert decode.metric("vllm:kvt_num_failed_recvs") == failed + len(PROMPTS)
-    prefill.generate([PROMPTS[0]], 1)
-    assert prefill.call("scheduler")["requests"] == 0  # the failed readers released them too
+    assert prefill.held(PROMPTS[0], 0) == 0  # the failed readers released them too
     # and the engines carry on: proven reads load again
     assert [o["tokens"] for o in decode.generate(PROMPTS, MAX_TOKENS, _handed(prefill))] == own
