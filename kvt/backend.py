@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
+from .config import check_timeout
 from .errors import (ClosedError, ConfigError, InvalidArgument, InvalidHandle, KvtTimeoutError, UnknownPeer,
                      UnsupportedOperation)
 from .types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
@@ -80,7 +81,7 @@ class Backend(abc.ABC):
         self.agent_name = agent_name
         self.options = dict(options or {})
         self.check_options(self.options)
-        self.timeout = float(self.options.get("timeout", 30.0))
+        self.timeout = float(check_timeout(self.options.get("timeout", 30.0), f"{type(self).__name__} option timeout"))
         self._closed = False
         self._ids = iter(range(1, 1 << 62))
         self._ids_lock = threading.Lock()

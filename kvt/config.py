@@ -52,6 +52,15 @@ _Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
 
 
+def check_timeout(value: Any, name: str = "timeout") -> float:
+    """``value`` if it is a positive number of seconds, at most
+    ``MAX_SECONDS``; ``ConfigError`` naming ``name`` otherwise (a NaN, a
+    negative or an infinite timeout would break every wait built on it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+        raise ConfigError(f"{name} must be a positive number of seconds, at most {MAX_SECONDS:g}, got {value!r}")
+    return value
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A validated kvt configuration."""
 
@@ -108,10 +117,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if "auth_key" in self.options:
             raise ConfigError("auth_key is a configuration field, not a backend option: set auth_key in "
                              f"the config file or {ENV_AUTH_KEY}")
-        timeout = self.options.get("timeout", self.transfer_timeout)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_SECONDS:
-            raise ConfigError(f"options.timeout must be a positive number of seconds, at most {MAX_SECONDS:g}, "
-                             f"got {timeout!r}")
+        timeout = check_timeout(self.options.get("timeout", self.transfer_timeout), "options.timeout")
         self.options = {**self.options, "timeout": timeout}
 
     def __repr__(self) -> str:

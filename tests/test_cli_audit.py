@@ -455,6 +455,13 @@ def test_conformance_bad_arguments_are_refused_before_pytest_runs(flags, named):
     assert_refused(r, named)
 
 
+def test_conformance_says_whether_the_plugin_or_the_machine_is_at_fault():
+    # before: a plugin that failed to import was "cannot run on this machine", pointing its author
+    # at the machine rather than at the package
+    assert_refused(run_kvt("conformance", "missingattr", "-q", plugins=FIXTURES), "failed to load (fix the plugin)")
+    assert_refused(run_kvt("conformance", "unusable", "-q", plugins=FIXTURES), "cannot run on this machine")
+
+
 # -- kvt new-backend ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("directory", ["/proc/kvt-audit-skeleton", "/etc/passwd/skeleton", "afile"])

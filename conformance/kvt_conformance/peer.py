@@ -95,7 +95,7 @@ class PeerCore:
 
     COMMANDS = ("info", "metadata", "alloc", "free", "fill_blocks", "contents", "add_remote",
                 "remove_remote", "serve_metadata", "fetch_remote", "notify", "take_notifs",
-                "snapshot_on_notif", "deregister", "reregister", "start_spin", "spin_result", "close_backend")
+                "other_senders", "snapshot_on_notif", "deregister", "reregister", "start_spin", "spin_result", "close_backend")
 
     def __init__(self, backend: Backend):
         self.backend = backend
@@ -210,6 +210,12 @@ class PeerCore:
         got = self._inbox.get(sender, [])
         self._inbox[sender] = got[count:]
         return got[:count]
+
+    def other_senders(self, sender: str) -> dict[str, int]:
+        """How many messages wait from senders other than ``sender`` (for a
+        failure message: notifications delivered under another name)."""
+        self._pull()
+        return {s: len(m) for s, m in self._inbox.items() if s != sender and m}
 
     def snapshot_on_notif(self, sender: str, msg: bytes, key: str, timeout: float) -> bytes | None:
         """Wait for ``msg`` from ``sender``; the moment it is seen, copy buffer

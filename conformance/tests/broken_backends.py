@@ -11,7 +11,7 @@ import time
 import msgspec
 import numpy as np
 from kvt.backend import Inbox, take_handle
-from kvt.errors import (InvalidArgument, InvalidDescriptor, PeerDisconnected, RemoteRejected, TransferError,
+from kvt.errors import (InvalidArgument, InvalidDescriptor, PeerDisconnected, RemoteRejected, TransferError, WireError,
                         UnsupportedOperation)
 from kvt.types import Descs, MemKind, Op, XferState, as_index
 from kvt.wire import decode
@@ -276,6 +276,16 @@ class BrokenEmptyPeerName(ExampleBackend):
         return md.name
 
 
+class BrokenLongPeerName(BrokenEmptyPeerName):
+    """Test double: ``add_remote`` refuses an empty peer name but not one of
+    any length."""
+
+    def add_remote(self, metadata):
+        if not decode(metadata, ExampleMetadata).name:
+            raise WireError("empty peer name")
+        return super().add_remote(metadata)
+
+
 class BrokenNotifOnRefusal(ExampleBackend):
     """Test double: when the owner refuses a transfer (memory it no longer
     has registered), the transfer's notification still goes out."""
@@ -495,9 +505,20 @@ if HostBackend is not None:
             self.wait(handle, self.timeout)
             return super().check_state(handle)
 
+    class BrokenHostFailsOnePerTimeout(HostBackend):
+        """Test double of the host backend: a peer that stopped answering is
+        never marked failed, so each transfer queued to it waits out a
+        timeout of its own (four queued: four timeouts) and so does every
+        later one, instead of failing at once."""
+
+        def _run(self, job):
+            if job.peer is not None:
+                job.peer.failed = None
+            super()._run(job)
+
 
 #: variants run with the suites' own timeouts, not the short ones the example's doubles get
-OWN_TIMEOUTS = {"BrokenHostBlockingCheckState"}
+OWN_TIMEOUTS = {"BrokenHostBlockingCheckState", "BrokenHostFailsOnePerTimeout"}
 
 #: the suites a variant runs, where not every suite: each double made for one contract runs the suites
 #: that test it and those it must still pass (running all of them again mostly re-tests the example)
@@ -511,6 +532,7 @@ SUITES = {
     "BrokenMetadataLeaksValueError": ("TransferTests", "MetadataTests"),
     "BrokenNotifOnRefusal": ("NotificationTests", "OwnerCheckTests"),
     "BrokenEmptyPeerName": ("TransferTests", "MetadataTests"),
+    "BrokenLongPeerName": ("MetadataTests",),
     "BrokenReaddDropsPeer": ("TransferTests", "MetadataTests"),
     "BrokenAcceptsAnyOption": ("ErrorTests",),
     "BrokenUnhashablePeerName": ("ErrorTests",),
@@ -525,6 +547,7 @@ SUITES = {
     "BrokenReleasePrepEndsTransfers": ("DescriptorTests", "CompletionTests"),
     "BrokenLeaksWorkerOnClose": ("ConcurrencyTests", "ErrorTests"),
     "BrokenHostBlockingCheckState": ("FaultTests",),
+    "BrokenHostFailsOnePerTimeout": ("FaultTests",),
 }
 
 #: the unbroken backend first: the control every variant is compared with
@@ -532,9 +555,9 @@ VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDon
             BrokenNoBoundsCheck, BrokenEarlyNotif, BrokenCrossHost, BrokenDropsNotifs, BrokenDeregisterNoDrain,
             BrokenReleaseReturnsEarly, BrokenNotifAfterFirstRequest, BrokenRangeArithmetic,
             BrokenOwnerChecksStartsOnly, BrokenPeerOnlyNoPairCheck, BrokenMetadataLeaksValueError,
-            BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenReaddDropsPeer, BrokenAcceptsAnyOption,
+            BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenLongPeerName, BrokenReaddDropsPeer, BrokenAcceptsAnyOption,
             BrokenCloseNoDrain, BrokenTruncatesLongRows, BrokenTransferAfterRemove, BrokenRemoveKeepsInFlight,
             BrokenDupAttachedNotif, BrokenNotifToLastPeer, BrokenNotifyNoSizeCheck, BrokenNotifyNoTypeCheck,
             BrokenReleasePrepEndsTransfers, BrokenLeaksWorkerOnClose, BrokenUnhashablePeerName)
 if HostBackend is not None:
-    VARIANTS += (BrokenHostBlockingCheckState,)
+    VARIANTS += (BrokenHostBlockingCheckState, BrokenHostFailsOnePerTimeout)

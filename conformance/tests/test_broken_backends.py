@@ -132,9 +132,12 @@ EXPECT = {
         [f"OwnerCheckTests::test_refused_transfer_sends_no_notification[{op}]" for op in ("READ", "WRITE")],
         ["notifications", *(f"OwnerCheckTests::test_stale_metadata_is_refused[{op}]" for op in ("READ", "WRITE"))]),
     "BrokenEmptyPeerName": (
-        ["MetadataTests::test_empty_peer_name_is_refused"],
+        ["MetadataTests::test_bad_peer_name_is_refused[empty]"],
         ["transfers", "MetadataTests::test_hostile_metadata_fields", "MetadataTests::test_remove_remote",
          *(f"MetadataTests::test_malformed_metadata[{how}]" for how in ("truncated", "random", "another-message"))]),
+    "BrokenLongPeerName": (
+        ["MetadataTests::test_bad_peer_name_is_refused[257-chars]"],
+        ["MetadataTests::test_bad_peer_name_is_refused[empty]", "MetadataTests::test_remove_remote"]),
     "BrokenReaddDropsPeer": (
         [f"MetadataTests::test_readding_unchanged_metadata_leaves_transfers_in_flight_alone[{op}]"
          for op in ("READ", "WRITE")],
@@ -187,6 +190,10 @@ EXPECT = {
     "BrokenHostBlockingCheckState": (
         ["FaultTests::test_check_state_returns_while_peer_frozen"],
         ["FaultTests::test_transfer_posts_while_peer_frozen", "FaultTests::test_handshake_with_nobody_there",
+         "FaultTests::test_remove_remote_ends_in_flight_transfers"]),
+    "BrokenHostFailsOnePerTimeout": (
+        ["FaultTests::test_frozen_peer_fails_every_queued_transfer_within_one_timeout"],
+        ["FaultTests::test_transfer_posts_while_peer_frozen", "FaultTests::test_check_state_returns_while_peer_frozen",
          "FaultTests::test_remove_remote_ends_in_flight_transfers"]),
 }
 

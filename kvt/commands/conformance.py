@@ -100,6 +100,9 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     options = _check_args(args)
     status = registry.probe(args.name)  # BackendNotFound for an unknown name
+    if status.capabilities is None:  # the plugin itself is broken, not the machine
+        raise BackendUnavailable(f"backend {args.name!r} failed to load (fix the plugin): "
+                                 f"{status.availability.reason}")
     if not status.usable:
         raise BackendUnavailable(f"backend {args.name!r} cannot run on this machine: {status.availability.reason}")
     registry.own_options(args.name, options)  # a key it does not read: ConfigError now, not in every test

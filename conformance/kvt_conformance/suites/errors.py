@@ -323,6 +323,16 @@ class ErrorTests(BackendFixtures):
         make_backend()  # and the refused one left nothing behind that stops the next
 
 
+    @pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), "5", True])
+    def test_bad_timeout_is_refused(self, make_backend, timeout):
+        """``timeout`` bounds every wait: a NaN, negative, infinite or
+        non-number one must be refused at construction (``ConfigError``,
+        naming it), not break the first wait built on it."""
+        with pytest.raises(ConfigError, match="timeout"):
+            make_backend(timeout=timeout)
+        make_backend()
+
+
 def _all_raise(error: type, calls: dict[str, Callable[[], Any]]) -> None:
     """Every call raises ``error``; the failure names each one that did not."""
     wrong = []

@@ -136,6 +136,43 @@ class FaultTests(BackendFixtures):
         return backend, victim, near, vbuf, vname, lp, rp
 
     @requires("remote")
+    def test_frozen_peer_fails_every_queued_transfer_within_one_timeout(self, make_backend, local_buffer,
+                                                                        spawn_peer, target, wait_for):
+        """A peer that stops answering (frozen, never killed: no socket is
+        reset) fails every transfer queued to it within one ``timeout``, not
+        one per timeout, and a transfer posted after that fails at once
+        (until ``add_remote`` loads the peer again).  Both sides on the
+        backend's ``cross_host_options``, so the stopped peer stalls them."""
+        op = self._ops(target)[0]
+        backend, victim, near, vbuf, vname, lp, rp = self._far_pair(make_backend, spawn_peer, local_buffer, target, op)
+        chunks = np.array_split(np.arange(N), QUEUED)
+        victim.stop()
+        try:
+            t0 = time.monotonic()
+            handles = [backend.transfer(op, lp, c, rp, c) for c in chunks]
+            states = settle_all(backend, handles, wait_for)
+            took = time.monotonic() - t0
+            if not any(s.failed for s in states):
+                pytest.skip(f"the {op.value}s completed with the peer stopped, even with "
+                            f"{dict(target.caps.cross_host_options)}: nothing stalled")
+            assert all(s.failed and isinstance(s.cause, TransferError) for s in states), (
+                f"with the peer frozen, {QUEUED} queued {op.value}s ended {states!r}: each must end ERR "
+                "(a TransferError cause)")
+            start = time.monotonic()
+            try:
+                late = settle(backend, backend.transfer(op, lp, chunks[0], rp, chunks[0]), wait_for)
+            except KvtError:  # refused when posting: as good as failing at once
+                late = None
+            quick = time.monotonic() - start
+        finally:
+            victim.resume()
+        assert late is None or late.failed, f"a {op.value} to the peer that timed out ended {late!r}"
+        assert quick < self.fault_timeout / 2, (
+            f"a {op.value} posted after the peer timed out took {quick:.1f}s to fail (the backend's timeout is "
+            f"{self.fault_timeout:g}s): fail transfers to a timed-out peer at once until add_remote loads it "
+            f"again (the {QUEUED} queued ones took {took:.1f}s)")
+
+    @requires("remote")
     def test_check_state_returns_while_peer_frozen(self, make_backend, local_buffer, spawn_peer, target, wait_for):
         """``check_state`` is a poll: it never blocks long, even while the
         peer does not answer.  With the peer stopped (both sides on the

@@ -312,12 +312,14 @@ class MetadataTests(BackendFixtures):
                      "(nothing may move)")
         assert_bytes(far.read(), before_far, "the removed peer's memory after a transfer with it (nothing may move)")
 
-    def test_empty_peer_name_is_refused(self, backend, peer):
-        """Metadata naming its agent ``""`` (every top-level field that held
-        the peer's name emptied) is malformed: ``add_remote`` raises
-        ``WireError`` and loads no peer, as the host and nixl backends do (a
+    @pytest.mark.parametrize("bad", ["", "x" * 257], ids=["empty", "257-chars"])
+    def test_bad_peer_name_is_refused(self, backend, peer, bad):
+        """Metadata naming its agent ``""`` or a name of over 256 characters
+        (every top-level field that held the peer's name replaced) is
+        malformed: ``add_remote`` raises ``WireError`` and loads no peer (a
         peer called "" is one no error, log line or notification sender can
-        name).  The real metadata still loads afterwards."""
+        name; names are bounded so that every message naming a peer is).
+        The real metadata still loads afterwards."""
         md = peer.metadata()
         try:
             fields = msgspec.msgpack.decode(md)
@@ -326,11 +328,11 @@ class MetadataTests(BackendFixtures):
         names = [k for k, v in fields.items() if v == peer.name] if isinstance(fields, dict) else []
         if not names:
             pytest.skip("this backend's metadata is not a msgpack map with a field holding the agent's name")
-        fields.update(dict.fromkeys(names, ""))
+        fields.update(dict.fromkeys(names, bad))
         with pytest.raises(WireError):
             backend.add_remote(msgspec.msgpack.encode(fields))
         with pytest.raises(UnknownPeer):
-            backend.remove_remote("")
+            backend.remove_remote(bad)
         assert backend.add_remote(md) == peer.name
 
     def test_hostile_metadata_fields(self, backend, local_buffer, peer, target, wait_for):

@@ -43,6 +43,13 @@ ONCE = 8
 _markers = iter(range(1 << 62))
 
 
+def _strays(peer, sender: str) -> str:
+    """For a failure message: what ``peer`` got from senders other than ``sender``."""
+    others = peer.other_senders(sender)
+    return (f"; it got {sum(others.values())} from {sorted(others)!r:.200} instead: deliver each notification "
+            f"under the sending agent's name, {sender!r}") if others else ""
+
+
 def _until_marker(backend, peer, name: str, wait_for: float) -> list[bytes]:
     """Send ``peer`` (agent ``name``) a marker and return every message from
     ``backend`` it received before the marker (messages to one peer arrive in
@@ -52,7 +59,8 @@ def _until_marker(backend, peer, name: str, wait_for: float) -> list[bytes]:
     seen: list[bytes] = []
     while marker not in seen:
         got = peer.take_notifs(backend.agent_name, 1, wait_for)
-        assert got, f"the marker notification never arrived at {name!r} (got {seen!r:.200} before it)"
+        assert got, (f"the marker notification never arrived at {name!r} (got {seen!r:.200} before it)"
+                     f"{_strays(peer, backend.agent_name)}")
         seen += got
     return seen[:seen.index(marker)]
 
@@ -65,7 +73,7 @@ def _arrive_exactly_once(backend, peer, name: str, msgs: list[bytes], wait_for: 
     while not set(msgs) <= set(seen):
         got = peer.take_notifs(backend.agent_name, 1, wait_for)
         assert got, (f"{what}: {sorted(set(msgs) - set(seen))!r:.200} never reached {name!r}, the target "
-                     f"(it got {seen!r:.200})")
+                     f"(it got {seen!r:.200}){_strays(peer, backend.agent_name)}")
         seen += got
     seen += _until_marker(backend, peer, name, wait_for)
     twice = sorted({m for m in seen if seen.count(m) > 1})

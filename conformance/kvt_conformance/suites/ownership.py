@@ -202,6 +202,7 @@ class _Busy:
 
     def __init__(self, backend, op, lp, rp, wait_for, window=4):
         self.first, self._stop, self.settled, self.errors = threading.Event(), threading.Event(), 0, []
+        self._in = ("transfer", time.monotonic())  # the backend call the thread is in, since when
         self._thread = threading.Thread(target=self._run, args=(backend, op, lp, rp, wait_for, window), daemon=True)
         self._thread.start()
 
@@ -210,14 +211,17 @@ class _Busy:
         try:
             while posted or not self._stop.is_set():
                 if len(posted) < window and not self._stop.is_set():
+                    self._in = ("transfer", time.monotonic())
                     try:
                         posted.append(backend.transfer(op, lp, None, rp, None))
                     except KvtError:
                         pass  # refused at post once the memory is gone: as good
                     continue
                 h = posted.pop(0)
+                self._in = ("wait", time.monotonic())
                 if backend.wait(h, wait_for).pending:
                     raise AssertionError(f"a {op.value} stayed PROC for {wait_for:g}s")
+                self._in = ("release", time.monotonic())
                 backend.release(h)
                 self.settled += 1
                 self.first.set()
@@ -228,6 +232,9 @@ class _Busy:
     def stop(self, timeout):
         self._stop.set()
         self._thread.join(timeout)
-        assert not self._thread.is_alive(), f"a transfer was still running {timeout:g}s after the last was posted"
+        call, since = self._in
+        assert not self._thread.is_alive(), (
+            f"the transfers were not all waited for and released {timeout:g}s after the last was posted: "
+            f"the posting thread is in {call}(), for {time.monotonic() - since:.1f}s so far")
         if self.errors:
             raise self.errors[0]

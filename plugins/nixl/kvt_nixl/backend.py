@@ -156,6 +156,9 @@ class NixlBackend(Backend):
         # agent's UCX connection open at both ends until close, so a remove_remote_agent per
         # remove_peer piled up a socket per remove/add cycle; re-adding a parked blob reuses it
         self._parked: dict[str, bytes] = {}
+        # peers a transfer timed out with, name -> the cause every other transfer with them ends with
+        # at once, until add_remote loads them again (not one timeout per queued transfer)
+        self._silent: dict[str, TransferError] = {}
         self._preps: dict[int, _Prep] = {}
         self._xfers: dict[int, Any] = {}                 # handle -> _Xfer, or NIXL's handle alone
                                                          # for a transfer that finished within its post
@@ -278,6 +281,7 @@ class NixlBackend(Backend):
                 raise WireError(f"metadata says agent {md.name!r} but its NIXL part belongs to {name!r}")
             name = md.name
             self._peers[name], self._blobs[name] = regions, md.nixl
+            self._silent.pop(name, None)  # loaded again: given another chance
             old, self._watches[name] = self._watches.get(name), epoch_watch(md)
             watch = self._watches[name]
             self._retire(lambda p: p.peer == name)  # NIXL refuses lists prepped before a reload
@@ -313,6 +317,7 @@ class NixlBackend(Backend):
         with self._lock:
             del self._peers[peer]
             self._blobs.pop(peer, None)
+            self._silent.pop(peer, None)
             watch = self._watches.pop(peer, None)
             # first its lists (no transfer posts on them past this), then the transfers posted on them
             self._retire(lambda p: p.peer == peer)
@@ -436,6 +441,8 @@ class NixlBackend(Backend):
         except (KeyError, TypeError):
             self._check_open()  # closed by another thread meanwhile
             raise InvalidHandle(f"no prepped list with handle {local_prep!r} or {remote_prep!r} (released?)") from None
+        if self._silent and rp.peer in self._silent:
+            return self._failed_at_once(rp.peer)
         if rp.epoch is not None and _stale(rp.epoch):
             raise RemoteRejected(f"peer {rp.peer!r} deregistered memory since its metadata was loaded; "
                                  "re-add its metadata (it may no longer offer these rows)")
@@ -513,6 +520,16 @@ class NixlBackend(Backend):
             self._xfers[h] = _Xfer(None, rp.peer, _DONE)
         return h  # type: ignore[return-value]
 
+    def _failed_at_once(self, peer: str) -> XferHandle:
+        """A transfer with a peer that stopped answering: ERR from the start."""
+        with self._nixl:
+            if self._closed:
+                self._check_open()
+            h = next(self._ids)
+            self._xfers[h] = _Xfer(None, peer, XferState.err(self._silent.get(peer) or PeerDisconnected(
+                f"peer {peer!r} stopped answering; re-add its metadata to try again")))
+        return h  # type: ignore[return-value]
+
     def check_state(self, handle: XferHandle) -> XferState:
         if self._closed:
             self._check_open()
@@ -548,10 +565,16 @@ class NixlBackend(Backend):
             x.state = _DONE
         elif s != self._inprog:
             x.state = XferState.err(TransferError(f"NIXL reported ERR for a transfer with {x.peer or 'this agent'}"))
+        elif x.peer is not None and x.peer in self._silent:  # another transfer with it timed out
+            x.state = XferState.err(self._silent[x.peer])
         elif time.monotonic() > x.deadline:
             x.state = XferState.err(TransferTimeout(
                 f"transfer with {x.peer or 'this agent'} still in progress after {self.timeout:g}s "
                 "(option 'timeout'); is the peer alive and progressing?"))
+            if x.peer is not None:
+                self._silent[x.peer] = PeerDisconnected(
+                    f"peer {x.peer!r} stopped answering (a transfer with it made no progress for {self.timeout:g}s); "
+                    "re-add its metadata to try again")
 
     def release(self, handle: XferHandle | PrepHandle) -> None:
         if self._closed:
