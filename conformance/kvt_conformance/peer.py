@@ -95,7 +95,8 @@ class PeerCore:
 
     COMMANDS = ("info", "metadata", "alloc", "free", "fill_blocks", "contents", "add_remote",
                 "remove_remote", "serve_metadata", "fetch_remote", "notify", "take_notifs",
-                "other_senders", "snapshot_on_notif", "deregister", "reregister", "start_spin", "spin_result", "close_backend")
+                "other_senders", "snapshot_on_notif", "deregister", "reregister", "start_spin", "spin_result",
+                "close_backend")
 
     def __init__(self, backend: Backend):
         self.backend = backend

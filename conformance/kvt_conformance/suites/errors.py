@@ -322,7 +322,6 @@ class ErrorTests(BackendFixtures):
             make_backend(**{key: 1})
         make_backend()  # and the refused one left nothing behind that stops the next
 
-
     @pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), "5", True])
     def test_bad_timeout_is_refused(self, make_backend, timeout):
         """``timeout`` bounds every wait: a NaN, negative, infinite or
