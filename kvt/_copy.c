@@ -11,9 +11,10 @@
  *
  * copy_indexed is a whole same-host request in one call: rows picked by
  * index from tables prepared once (bounds and pairwise lengths checked
- * before any byte moves), the copy, and the guards around it (the owner's
- * registration epoch before and after, its pidfd after), so a request costs
- * one C call instead of microseconds of Python per step.
+ * before any byte moves), the copy, and the guards around it (a shared lock
+ * on the owner's epoch page for the copy's duration, the epoch word before
+ * and after, the owner's pidfd after), so a request costs one C call
+ * instead of microseconds of Python and system calls per step.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,6 +22,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/file.h>
 
 #define MAX_THREADS 16
 
@@ -363,14 +365,17 @@ static int exited(int pidfd)
 
 PyDoc_STRVAR(copy_indexed_doc,
 "copy_indexed(dst, di, src, si, lengths, src_lengths=None, threads=1, split_bytes=0,\n"
-"             max_bytes=2**64-1, epoch=0, seen=0, pidfd=-1) -> int\n\n"
+"             max_bytes=2**64-1, epoch=0, seen=0, pidfd=-1, lock=-1) -> int\n\n"
 "For every k copy the row di[k] of table (dst, lengths) from row si[k] of\n"
 "table (src, src_lengths): dst, src are 1-D uint64 address tables, di, si\n"
 "1-D int64 indices, lengths a uint64 table or one int (uniform rows).\n"
 "Before any byte moves: IndexError for an index outside its table,\n"
 "ValueError for paired rows of different lengths (src_lengths given).\n"
 "Returns the bytes copied, or without copying -1 if the word at address\n"
-"epoch (when non-zero) differs from seen, -2 if the total exceeds\n"
+"epoch (when non-zero) differs from seen or the file lock (when >= 0)\n"
+"cannot be held shared (its owner holds it exclusively, to drain the\n"
+"copies under way; held, else, until the copy and its checks end),\n"
+"-2 if the total exceeds\n"
 "max_bytes; after copying -3 if pidfd (when >= 0) shows its process\n"
 "exited, -4 if the epoch word moved meanwhile.  The GIL is released for\n"
 "the copy.");
@@ -378,12 +383,12 @@ PyDoc_STRVAR(copy_indexed_doc,
 static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"dst", "di", "src", "si", "lengths", "src_lengths", "threads", "split_bytes",
-                            "max_bytes", "epoch", "seen", "pidfd", NULL};
+                            "max_bytes", "epoch", "seen", "pidfd", "lock", NULL};
     PyObject *dobj, *diobj, *sobj, *siobj, *lobj, *slobj = Py_None;
-    int threads = 1, pidfd = -1;
+    int threads = 1, pidfd = -1, lock = -1;
     unsigned long long split = 0, max_bytes = UINT64_MAX, epoch = 0, seen = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|OiKKKKi", names, &dobj, &diobj, &sobj, &siobj, &lobj,
-                                     &slobj, &threads, &split, &max_bytes, &epoch, &seen, &pidfd))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|OiKKKKii", names, &dobj, &diobj, &sobj, &siobj, &lobj,
+                                     &slobj, &threads, &split, &max_bytes, &epoch, &seen, &pidfd, &lock))
         return NULL;
     Py_buffer views[6];
     int nviews = 0;
@@ -456,15 +461,25 @@ static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
     } else if (total > (uint64_t)INT64_MAX) { /* the count would read as a negative outcome (STALE...) */
         PyErr_SetString(PyExc_OverflowError, "lengths sum past 2**63");
         goto done;
-    } else if (epoch && epoch_now((uintptr_t)epoch) != seen) {
-        code = STALE;
     } else {
         Py_BEGIN_ALLOW_THREADS
-        run(&p, total, threads, split);
-        if (pidfd >= 0 && exited(pidfd))
-            code = DEAD;  /* a dead peer's pages stay mapped; its data no longer counts */
-        else if (epoch && epoch_now((uintptr_t)epoch) != seen)
-            code = STALE_AFTER;  /* it deregistered while we copied */
+        /* the lock first: an owner that bumped the epoch and now drains either waits for this
+         * copy or made us see the new epoch; any failure (not only EWOULDBLOCK) copies nothing */
+        if (lock >= 0 && flock(lock, LOCK_SH | LOCK_NB) != 0) {
+            code = STALE;
+        } else {
+            if (epoch && epoch_now((uintptr_t)epoch) != seen) {
+                code = STALE;
+            } else {
+                run(&p, total, threads, split);
+                if (pidfd >= 0 && exited(pidfd))
+                    code = DEAD;  /* a dead peer's pages stay mapped; its data no longer counts */
+                else if (epoch && epoch_now((uintptr_t)epoch) != seen)
+                    code = STALE_AFTER;  /* it deregistered while we copied */
+            }
+            if (lock >= 0)
+                flock(lock, LOCK_UN);
+        }
         Py_END_ALLOW_THREADS
     }
     out = PyLong_FromLongLong(code);

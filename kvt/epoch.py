@@ -103,7 +103,9 @@ class EpochWatch:
         except BaseException:
             os.close(f)
             raise
-        self._fd = f  # our own open file description: the lock ``hold`` takes is ours alone
+        #: our own open file description of the page: the shared lock ``hold`` takes (or native
+        #: code given this fd, around its copy) is ours alone
+        self.fd = f
         self.seen = seen  #: the value the peer's metadata carried
         self._word = np.frombuffer(self._mm, np.uint64, 1)
         #: where the counter is mapped, for native code that checks it around a copy (valid until close)
@@ -124,15 +126,16 @@ class EpochWatch:
         """Before a same-host copy: the owner's ``drain`` now waits for our
         ``release``.  False while the owner is draining (its counter has
         moved: the copy must not happen).  One copy at a time per watch: the
-        lock belongs to the open file, not the thread."""
+        lock belongs to the open file, not the thread.  (``memcopy.copy_indexed``
+        does the same in one call, given ``fd`` as its ``lock``.)"""
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
         return True
 
     def release(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     @property
     def stale(self) -> bool:
@@ -143,6 +146,6 @@ class EpochWatch:
         self._word = None  # the mapping cannot close while an array views it
         self.address = 0
         self._mm.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import math
 import os
@@ -114,7 +115,7 @@ _NO_LIMIT = (1 << 64) - 1
 
 def copy_indexed(dst: np.ndarray, di: np.ndarray, src: np.ndarray, si: np.ndarray, lengths, src_lengths=None,
                  max_bytes: int = _NO_LIMIT, epoch: int = 0, seen: int = 0, pidfd: int = -1,
-                 threads: int = THREADS) -> int:
+                 threads: int = THREADS, lock: int = -1) -> int:
     """For every ``k``, copy row ``di[k]`` of the table ``(dst, lengths)``
     from row ``si[k]`` of ``(src, src_lengths)``.
 
@@ -127,17 +128,20 @@ def copy_indexed(dst: np.ndarray, di: np.ndarray, src: np.ndarray, si: np.ndarra
     ``STALE``, ``TOO_BIG`` (nothing copied), ``DEAD``, ``STALE_AFTER``
     (copied, but the data must not count): ``epoch`` is the address of an
     8-byte word that must equal ``seen`` before and after the copy (0: no
-    check), ``pidfd`` a pidfd that must not be readable after it (-1: none).
+    check), ``pidfd`` a pidfd that must not be readable after it (-1: none),
+    ``lock`` a file to hold a shared ``flock`` on from before the first check
+    to after the last (-1: none; ``STALE`` when it cannot be had at once: its
+    owner holds it exclusively while it drains the copies under way).
     ``threads``: at most this many for a large request (``BACKGROUND_THREADS``
     off the posting thread).
     """
     if _native is not None:
         return _native.copy_indexed(dst, di, src, si, lengths, src_lengths, threads, SPLIT_BYTES, max_bytes,
-                                    epoch, seen, pidfd)
-    return _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd)
+                                    epoch, seen, pidfd, lock)
+    return _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd, lock)
 
 
-def _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd) -> int:
+def _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd, lock) -> int:
     di, si = _index(di, "di"), _index(si, "si")
     if di.size != si.size:
         raise ValueError(f"di selects {di.size} rows but si {si.size}; they are paired one to one")
@@ -166,14 +170,23 @@ def _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoc
         return TOO_BIG
     if total >= 1 << 63:  # the count would read as a negative outcome (STALE...)
         raise OverflowError("lengths sum past 2**63")
-    if epoch and _word(epoch) != seen:
-        return STALE
-    _copy_python(dst[di], src[si], n)
-    if pidfd >= 0 and _exited(pidfd):
-        return DEAD
-    if epoch and _word(epoch) != seen:
-        return STALE_AFTER
-    return total
+    if lock >= 0:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:  # not only EWOULDBLOCK: whatever the reason, nothing is copied
+            return STALE
+    try:
+        if epoch and _word(epoch) != seen:
+            return STALE
+        _copy_python(dst[di], src[si], n)
+        if pidfd >= 0 and _exited(pidfd):
+            return DEAD
+        if epoch and _word(epoch) != seen:
+            return STALE_AFTER
+        return total
+    finally:
+        if lock >= 0:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _index(a, what: str) -> np.ndarray:

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from kvt import Agent, Descs, Op
+from kvt import Agent, Descs, Op, memory
 from kvt.errors import ClosedError, InvalidHandle, KvtError, PeerDisconnected, TransferError, UnknownPeer
 from kvt.agent import fetch_info
 from kvt.wire import decode
@@ -273,3 +273,40 @@ def test_mirror_translation_is_consistent_while_another_region_is_deregistered(m
     monkeypatch.setattr(Descs, "locate", locate_then_deregister)
     assert mirrors.translate(rows).tolist() == expect.tolist()
     assert mirrors.translate(rows).tolist() == expect.tolist()  # and after it
+
+
+@pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
+def test_deregister_returns_only_after_a_same_host_copy_in_flight_ends(op):
+    """A same-host copy holds the owner's epoch lock while it runs: the
+    owner's ``deregister`` (bump, then drain) returns only after it, so the
+    owner may reuse the memory at once.  Here the owner overwrites it the
+    instant ``deregister`` returns: a WRITE must not land on that, and a
+    READ must not count (it may have read the overwrite)."""
+    size = 256 << 20  # one row: tens of ms of copy, front to back, to deregister in the middle of
+    with HostBackend("owner", {"timeout": 10}) as owner, HostBackend("me", {"timeout": 10}) as me:
+        far = memory.empty(size)
+        far.fill(0x11 if op is Op.READ else 0)
+        reg = owner.register(Descs.from_buffers([far]))
+        near = memory.empty(size)
+        near.fill(0x22 if op is Op.WRITE else 0)
+        me.register(Descs.from_buffers([near]))
+        name = me.add_remote(owner.local_metadata())
+        lp, rp = me.prep(None, Descs.from_buffers([near])), me.prep(name, Descs.from_buffers([far]))
+        assert me._peers[name].same_host, "the two backends should share this host's fast path"
+        h = me.transfer(op, lp, [0], rp, [0])
+        dst = far if op is Op.WRITE else near
+        deadline = time.monotonic() + 10
+        while not dst[:4096].any():  # the copy has begun (it runs on the lane's worker)
+            assert time.monotonic() < deadline, "the copy never started"
+        landed_at_return = bool(dst[-4096:].any())
+        owner.deregister(reg)
+        assert landed_at_return or dst[-4096:].any(), \
+            "deregister returned while a same-host copy of that memory was still under way"
+        far.fill(0xFF)  # reused the instant deregister returned
+        state = me.wait(h, 10)
+        me.release(h)
+        if op is Op.WRITE:
+            assert (far == 0xFF).all(), "a WRITE landed in memory after its owner's deregister had returned"
+        else:
+            assert not (near == 0xFF).any(), "a READ read memory its owner overwrote after deregister returned"
+            assert state.done or state.failed

@@ -3,7 +3,10 @@ same bytes, for scattered, uniform, merging and thread-split batches."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,9 +130,9 @@ def test_gather_then_scatter_round_trips():
 def _indexed(engine: str, *args, **kw) -> int:
     if engine == "native":
         return memcopy._native.copy_indexed(*args, **kw)
-    names = ("src_lengths", "max_bytes", "epoch", "seen", "pidfd")
+    names = ("src_lengths", "max_bytes", "epoch", "seen", "pidfd", "lock")
     return memcopy._copy_indexed_python(*args[:5], *(kw.get(n, d) for n, d in
-                                                     zip(names, (None, (1 << 64) - 1, 0, 0, -1))))
+                                                     zip(names, (None, (1 << 64) - 1, 0, 0, -1, -1))))
 
 
 def _tables(nblocks: int = 16, block: int = 256):
@@ -286,3 +289,59 @@ def test_indexed_guards(engine):
         assert _indexed(engine, d, one, s, one, 256, pidfd=me) == 256
     finally:
         os.close(me)
+
+
+# probes the lock as the owner's drain does, until it finds it held (exit 0)
+_DRAINER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print("ready", flush=True)
+while True:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(0)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    time.sleep(0.0005)
+"""
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_indexed_holds_the_lock_shared_for_the_copy_alone(engine, tmp_path):
+    """``lock``: the owner's drain (an exclusive ``flock``) waits for the
+    copy; while the owner holds it, nothing is copied (STALE); after the
+    call the lock is free again, whatever the outcome."""
+    src, dst, s, d = _tables()
+    one = np.array([0], np.int64)
+    path = tmp_path / "epoch"
+    path.write_bytes(b"")
+    mine, owner = os.open(path, os.O_RDONLY), os.open(path, os.O_RDONLY)  # two open files: two lock holders
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX)
+        assert _indexed(engine, d, one, s, one, 256, lock=mine) == memcopy.STALE
+        assert not dst.any()
+        fcntl.flock(owner, fcntl.LOCK_UN)
+        word = np.array([7], np.uint64)
+        for seen, want in ((7, 256), (6, memcopy.STALE)):
+            assert _indexed(engine, d, one, s, one, 256, epoch=word.ctypes.data, seen=seen, lock=mine) == want
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: this does not block
+            fcntl.flock(owner, fcntl.LOCK_UN)
+        # held for the copy's duration: a drain tried meanwhile, by another process (no GIL in
+        # between), finds it taken
+        size = 256 << 20
+        big_src, big_dst = np.full(size, 9, np.uint8), np.zeros(size, np.uint8)
+        bs, bd = np.array([big_src.ctypes.data], np.uint64), np.array([big_dst.ctypes.data], np.uint64)
+        with subprocess.Popen([sys.executable, "-c", _DRAINER, str(path)], stdout=subprocess.PIPE) as drainer:
+            try:
+                assert drainer.stdout.readline() == b"ready\n"
+                for _ in range(100):
+                    if drainer.poll() is not None:
+                        break
+                    assert _indexed(engine, bd, one, bs, one, size, lock=mine) in (size, memcopy.STALE)
+            finally:
+                if drainer.poll() is None:
+                    drainer.kill()
+            assert drainer.wait(10) == 0, "an exclusive flock never found the copy's shared lock held"
+    finally:
+        os.close(mine)
+        os.close(owner)

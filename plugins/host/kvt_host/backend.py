@@ -635,13 +635,10 @@ class HostBackend(Backend):
                 guards = self._guards(peer, rp)
                 if guards is None:
                     return None
-                try:
-                    got = _held(peer, self._copy_indexed, op, (lp, li, rp, ri, ln, checked), self.inline_bytes,
-                                *guards)
+                try:  # (the copy holds the peer's epoch lock: its deregister waits for it)
+                    got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), self.inline_bytes, *guards)
                 except (IndexError, ValueError, TypeError, OverflowError):
                     return None  # the general path checks again and names the problem
-                if got is None:
-                    return None  # it is deregistering: its server judges
                 try:  # (its liveness check reads the peer's pidfd: still holding the lane)
                     if self._copied(got, op, peer, guards[2]):
                         job = _DONE
@@ -656,7 +653,7 @@ class HostBackend(Backend):
             if peer is not None and self._peers.get(peer.name) is not peer:
                 return None  # a prep of a peer since removed (maybe added again): the general path looks it up
             try:
-                got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), 0, 0, 0, -1)
+                got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), 0, 0, 0, -1, -1)
             except (IndexError, ValueError, TypeError, OverflowError):
                 return None
             job = _DONE if got == 0 else None  # 0: nothing to move; else TOO_BIG, nothing copied
@@ -680,24 +677,26 @@ class HostBackend(Backend):
         self._xfers[h] = job
         return h
 
-    def _guards(self, peer: "_Peer | None", rp: _Prep) -> tuple[int, int, int] | None:
-        """(epoch address, seen value, pidfd) for a one-call copy to ``peer``,
-        or ``None`` if its prepped addresses no longer hold (call holding its lane)."""
+    def _guards(self, peer: "_Peer | None", rp: _Prep) -> tuple[int, int, int, int] | None:
+        """(epoch address, seen value, pidfd, epoch lock fd) for a one-call copy
+        to ``peer``, or ``None`` if its prepped addresses no longer hold (call
+        holding its lane: one copy at a time holds the lock)."""
         if peer is None:
-            return 0, 0, -1
+            return 0, 0, -1, -1
         if peer.gen != rp.gen or not peer.same_host or peer.failed is not None or self._peers.get(peer.name) is not peer:
             return None
-        return peer.epoch.address, peer.epoch.seen, -1 if peer._pidfd is None else peer._pidfd
+        return peer.epoch.address, peer.epoch.seen, -1 if peer._pidfd is None else peer._pidfd, peer.epoch.fd
 
     @staticmethod
-    def _copy_indexed(op: Op, req: tuple, max_bytes: int, epoch: int, seen: int, pidfd: int,
+    def _copy_indexed(op: Op, req: tuple, max_bytes: int, epoch: int, seen: int, pidfd: int, lock: int,
                       threads: int = memcopy.THREADS) -> int:
         lp, li, rp, ri, ln, checked = req
         if op is Op.READ:
             return memcopy.copy_indexed(lp.addrs, li, rp.addrs, ri, ln, checked, max_bytes, epoch, seen, pidfd,
-                                        threads)
+                                        threads, lock)
         rn = ln if checked is None else rp.descs.lengths
-        return memcopy.copy_indexed(rp.addrs, ri, lp.addrs, li, rn, checked, max_bytes, epoch, seen, pidfd, threads)
+        return memcopy.copy_indexed(rp.addrs, ri, lp.addrs, li, rn, checked, max_bytes, epoch, seen, pidfd, threads,
+                                    lock)
 
     @staticmethod
     def _copied(got: int, op: Op, peer: "_Peer | None", pidfd: int) -> bool:
@@ -722,8 +721,8 @@ class HostBackend(Backend):
         lp, li, rp, ri, _, _ = job.indexed
         guards = self._guards(job.peer, rp)
         # on the worker, beside the posting thread: one copy thread fewer than inline
-        got = None if guards is None else _held(job.peer, self._copy_indexed, job.op, job.indexed, _NO_LIMIT,
-                                                 *guards, memcopy.BACKGROUND_THREADS)
+        got = None if guards is None else self._copy_indexed(job.op, job.indexed, _NO_LIMIT, *guards,
+                                                              memcopy.BACKGROUND_THREADS)
         if got is not None and self._copied(got, job.op, job.peer, guards[2]):
             return True
         job.lrows, job.rrows, job.rinc = lp.descs.array[li], rp.descs.array[ri], rp.inc
