@@ -60,6 +60,23 @@ def fetch_info(endpoint: str, sender: str, timeout: float, secret: Secret | None
         raise HandshakeError(f"peer at {endpoint} sent unreadable metadata: {e}") from e
 
 
+def _refused(endpoint: str, timeout: float) -> bool:
+    """True if a TCP ``endpoint`` refuses a connection (nothing listens:
+    zmq would retry quietly until the handshake times out).  Anything else,
+    a timeout included, is left to the handshake to judge."""
+    scheme, _, where = endpoint.partition("://")
+    host, _, port = where.rpartition(":")
+    if scheme != "tcp" or not port.isdigit():
+        return False
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout, 0.5)).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, OverflowError):
+        pass
+    return False
+
+
 _AUTH_REFUSAL = "AuthenticationError:"
 _PEER_TEXT = 512  # characters of a peer's error text we repeat (into errors and logs)
 _NOTIF_KEY = "kvt_auth"  # AgentInfo.extra: the incarnation nonce notifications to us are bound to
@@ -207,6 +224,7 @@ class Transfer:
         if state.failed:
             if isinstance(state.cause, _PEER_LOST) and self.peer is not None:
                 self._agent._recover(self.peer)
+                self._agent._check_moved(self.peer, state.cause)
             # one stored cause, raised by every wait: each raise would add its frames to the last
             raise state.cause.with_traceback(None)
         if self.verify is not None:
@@ -331,6 +349,7 @@ class Agent:
         self._pending = Inbox()
         self._reach: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
         self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
+        self._moved: dict[str, str] = {}  # peer -> why it is gone for good (its route leads to another agent)
         self._discovery = None
         self._lock = threading.RLock()
         # loading or removing a peer can wait on the backend (host waits out the peer's copies): it
@@ -474,8 +493,12 @@ class Agent:
         remembers it: when waiting on a transfer to the peer finds it failed as
         if the peer had gone (``PeerDisconnected``, ``TransferTimeout``), kvt
         reconnects the same way, and while it stays gone the next transfer to
-        it tries again first (at most every 0.1 s, for at most 2 s), so a
-        restarted peer is picked up with no call from the user."""
+        it tries again first (at most every 0.1 s, for at most 2 s; a port
+        nothing listens on fails at once), so a restarted peer is picked up
+        with no call from the user, if it kept its agent name (a configured
+        ``name``; one drawn at start changes with each restart).  Once the
+        route leads to an agent of another name, transfers to the old name
+        fail at once with ``PeerDisconnected`` saying to ``connect()`` again."""
         self._check_open()
         if not isinstance(endpoint, str):
             raise InvalidArgument(f"connect takes an endpoint 'tcp://host:port' or a published name (a str), "
@@ -490,11 +513,16 @@ class Agent:
         """The lock that orders loading, reloading and removing ``name``."""
         return self._peer_locks[hash(name) % _PEER_STRIPES]
 
-    def _fetch(self, route: str, timeout: float | None) -> AgentInfo:
+    def _fetch(self, route: str, timeout: float | None, probe: bool = False) -> AgentInfo:
+        """``probe``: first see whether anything listens there (a process
+        that died leaves a port that refuses at once, where the handshake
+        would wait out its whole timeout)."""
         t = self.config.handshake_timeout if timeout is None else timeout
         _seconds(t, "handshake timeout")
         if "://" not in route:
             route = self.discovery.resolve(route, timeout=t)
+        if probe and _refused(route, t):
+            raise HandshakeError(f"nothing listens at {route} (connection refused)")
         return fetch_info(route, self.name, t, self.secret)
 
     def reconnect(self, peer: str, timeout: float | None = None) -> bool:
@@ -511,12 +539,15 @@ class Agent:
             raise PeerDisconnected(f"peer {peer!r} seems gone and was added by add_peer(), so kvt cannot "
                                    "reach it again by itself; connect() to it again")
         try:
-            info = self._fetch(route, timeout)
+            info = self._fetch(route, timeout, probe=True)
         except KvtError as e:
             raise PeerDisconnected(f"peer {peer!r} seems gone and does not answer at {route} ({e}); "
                                    "the next transfer tries again") from e
         if info.name != peer:
-            raise IncompatiblePeer(f"{route} is now agent {info.name!r}, not {peer!r}")
+            raise IncompatiblePeer(
+                f"peer {peer!r} is gone: {route} now leads to agent {info.name!r} (a restart under a new name: "
+                f"an agent's name is drawn anew at each start unless configured); connect({route!r}) again to "
+                "reach it, or give that agent a fixed `name` so kvt reconnects by itself")
         with self._peer_lock(peer):
             now = self._reach.get(peer)
             if now is None:  # removed while we fetched: it stays removed
@@ -530,14 +561,22 @@ class Agent:
             return old is None or old.metadata != info.metadata or old.layouts != info.layouts
 
     def _recover(self, peer: str) -> None:
-        if peer in self._reach and not self._closed:
+        if peer in self._reach and peer not in self._moved and not self._closed:
             try:
                 self.reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT))
                 self._lost.pop(peer, None)
-            except KvtError:  # still gone: the caller sees the transfer's own error
+            except KvtError as e:  # still gone: the caller sees the transfer's own error
                 with self._peer_lock(peer):
                     if peer in self._reach:  # (not if it was removed meanwhile)
                         self._lost[peer] = time.monotonic()
+                        if isinstance(e, IncompatiblePeer):  # gone for good: no more attempts
+                            self._moved[peer] = str(e)
+
+    def _check_moved(self, peer: str, cause: BaseException | None = None) -> None:
+        """``PeerDisconnected`` saying what to do if ``peer`` restarted under another name."""
+        why = self._moved.get(peer)
+        if why is not None:
+            raise PeerDisconnected(why) from cause
 
     @property
     def discovery(self):
@@ -571,6 +610,8 @@ class Agent:
             with self._lock:
                 self._drop_preps(lambda peer, _: peer == name)
                 self._peers[name] = info
+                self._lost.pop(name, None)  # fresh metadata: not lost (nor gone for good) any more
+                self._moved.pop(name, None)
         return name
 
     def remove_peer(self, peer: str) -> None:
@@ -582,6 +623,7 @@ class Agent:
                 self._peers.pop(peer, None)
                 self._reach.pop(peer, None)
                 self._lost.pop(peer, None)
+                self._moved.pop(peer, None)
             self.backend.remove_remote(peer)
 
     def peer_info(self, peer: str) -> AgentInfo:
@@ -615,8 +657,11 @@ class Agent:
             self._check_open()
         if self._orphans:
             self._reap()
-        if self._lost and type(peer) is str and time.monotonic() - self._lost.get(peer, math.inf) >= _RECOVER_EVERY:
-            self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
+        if self._lost and type(peer) is str:
+            self._check_moved(peer)
+            if time.monotonic() - self._lost.get(peer, math.inf) >= _RECOVER_EVERY:  # (popped meanwhile: inf)
+                self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
+                self._check_moved(peer)
         rname = remote_layout or layout
         key = (peer, layout, rname)
         try:

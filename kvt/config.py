@@ -251,17 +251,21 @@ def _as_dict(options: Any) -> Any:
     return dict(options) if isinstance(options, Mapping) else options  # non-mappings fail validation
 
 
+_ARGS = "load_config() arguments"
+
+
 def load_config(backend: str | None = None, options: Mapping[str, Any] | None = None, *,
                 path: str | os.PathLike | None = None, env: Mapping[str, str] = os.environ,
-                shared: bool = False, **overrides: Any) -> Config:
+                shared: bool = False, origin: str = _ARGS, **overrides: Any) -> Config:
     """Build a ``Config`` from explicit arguments, the environment and a TOML file.
 
     ``overrides`` are other ``Config`` fields (``name``, ``listen_port``...);
     an argument that is ``None`` counts as not given.  ``shared``: the
     explicit ``options`` serve several backends, so (like the file's
     ``[options]``) a backend ignores those it does not read.  ``env``
-    replaces ``os.environ`` (tests).  Raises ``ConfigError`` naming the
-    offending field or key and its source.
+    replaces ``os.environ`` (tests).  ``origin``: where the explicit
+    arguments came from, for messages (a command line: its flags).  Raises
+    ``ConfigError`` naming the offending field or key and its source.
     """
     if not isinstance(env, Mapping):
         raise ConfigError(f"env must be a mapping of environment variables, got {type(env).__name__}")
@@ -297,9 +301,9 @@ def load_config(backend: str | None = None, options: Mapping[str, Any] | None = 
     explicit = {k: v for k, v in {"backend": backend, **overrides}.items() if v is not None}
     for key in explicit:
         if key not in _FIELDS:
-            raise _unknown(key, "load_config() arguments", _FIELDS)
+            raise _unknown(key, origin, _FIELDS)
     values.update(explicit)
-    sources.update(dict.fromkeys(explicit, "load_config() arguments"))
+    sources.update(dict.fromkeys(explicit, origin))
 
     for field, value in values.items():
         _check(field, value, sources[field])
@@ -309,7 +313,7 @@ def load_config(backend: str | None = None, options: Mapping[str, Any] | None = 
     merged: dict[str, Any] = {}
     for layer, source in ((file_options, f"{file_source} [options]"),
                           (tables.get(chosen, {}), f"{file_source} [backends.{chosen}]"),
-                          (_as_dict(options), "load_config(options=...)")):
+                          (_as_dict(options), "load_config(options=...)" if origin == _ARGS else origin)):
         _check("options", layer, source)
         merged.update(layer)
     values["options"] = merged

@@ -384,6 +384,8 @@ def test_bench_ctrl_c_stops_children_and_removes_its_files(group):
     (["--timeout", "-1"], "--timeout"), (["--blocks", "100000000000"], "memory"),
     (["--engine", "--layers", "0"], "--layers"), (["--engine", "--timeout", "nan"], "--timeout"),
     (["--engine", "--blocks", "0"], "--blocks"),
+    # a backend that reaches only its own process (before: both processes started, then one failed)
+    (["--backend", "example"], "remote=False"), (["--engine", "--backend", "example"], "remote=False"),
 ])
 def test_demo_bad_arguments_are_refused_before_starting_processes(flags, named):
     # before: tracebacks from the children (block_len > 0, UnboundLocalError 'nbytes',
@@ -491,3 +493,9 @@ def test_children_end_with_a_killed_parent(args):
     os.kill(p.pid, signal.SIGKILL)
     p.wait(30)  # (not communicate: the children hold its pipes)
     assert not _reap(p)
+
+
+def test_a_bad_option_value_names_the_flag_not_an_internal_call():
+    # before: "... from load_config(options=...)", a name the command line never shows
+    err = assert_refused(run_kvt("demo", "-o", "timeout=abc", timeout=60), "-o/--option", "timeout")
+    assert "load_config" not in err

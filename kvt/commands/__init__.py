@@ -57,7 +57,8 @@ def config_from_args(args: argparse.Namespace, shared: bool = False, **overrides
     ``overrides`` are further ``Config`` fields taken from the command's own
     flags.  ``shared``: ``-o`` serves several backends, each ignoring keys it does not read."""
     options = dict(parse_option(o) for o in args.options) or None
-    return load_config(args.backend, options, path=args.config, shared=shared, **overrides)
+    return load_config(args.backend, options, path=args.config, shared=shared,
+                       origin="the command line (-o/--option, --backend)", **overrides)
 
 
 def check_seconds(value: float | None, flag: str, limit: float = MAX_SECONDS) -> None:

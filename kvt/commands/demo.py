@@ -60,12 +60,16 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..demo import DemoSpec, run as run_demo
     from ..errors import InvalidArgument
-    from ..registry import own_options
+    from ..errors import BackendUnavailable
+    from ..registry import load_backend, own_options
 
     check_args(args)
     config = config_from_args(args)
     backend = config.backend
     options = own_options(backend, config.options, config.shared_options)  # a typo refused before any child starts
+    if not load_backend(backend).capabilities.remote:  # the demo's two sides are two processes
+        raise BackendUnavailable(f"backend {backend!r} declares remote=False (it reaches agents of its own process "
+                                 "only); kvt demo moves blocks between two processes: choose another --backend")
     if args.engine:
         from ..config import ENV_CONFIG
         from ..connector.engine_demo import engine_demo

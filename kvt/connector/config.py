@@ -113,8 +113,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     abort_request_timeout: _Seconds = 480.0
     #: the decode side refuses (or invalidates) a read this close to the lease's end
     expiry_margin: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    handshake_timeout: _Seconds = 5.0
-    transfer_timeout: _Seconds = 30.0
+    #: None: as the kvt settings say (the ``KVT_CONFIG`` file's), else 5 s and 30 s; the worker
+    #: uses its agent's (``agent.config``)
+    handshake_timeout: _Seconds | None = None
+    transfer_timeout: _Seconds | None = None
 
     def __post_init__(self) -> None:
         # built directly, fields are not type-checked (from_dict's conversion checks them all): the
@@ -130,9 +132,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ConfigError(f"side_channel_port {self.side_channel_port} + tp_size exceeds 65535")
 
     def kvt_config(self, **overrides: Any) -> Config:
-        """The kvt configuration of this engine's agents: ``backend`` and
-        ``backend_options`` from here, the rest (``auth_key`` above all) from
-        ``KVT_*`` variables and the ``KVT_CONFIG`` file."""
+        """The kvt configuration of this engine's agents: ``backend``,
+        ``backend_options`` and the timeouts from here where set, the rest
+        (``auth_key`` above all) from ``KVT_*`` variables and the
+        ``KVT_CONFIG`` file."""
         return load_config(backend=self.backend, options=self.backend_options or None,
                            handshake_timeout=self.handshake_timeout, transfer_timeout=self.transfer_timeout,
                            **overrides)

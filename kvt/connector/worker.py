@@ -438,7 +438,7 @@ class ConnectorWorker:
                         req_id, len(s.readers), s.expected)
             self.stats["expired"] += 1
             self._released_now(req_id)
-        ttl = max(RELEASED_TTL, 2 * (self.config.transfer_timeout + _SLACK))  # a late reader's ok=False
+        ttl = max(RELEASED_TTL, 2 * (self.agent.config.transfer_timeout + _SLACK))  # a late reader's ok=False
         while self._released and mono - next(iter(self._released.values())) > ttl:
             self._released.popitem(last=False)
         while self._early:  # oldest first: a reader of a request we never held (or already released)
@@ -471,7 +471,7 @@ class ConnectorWorker:
     def _handshake(self, src: RemoteSource) -> list[tuple[int, AgentInfo]]:
         """Background thread: fetch and check the metadata of every prefill
         rank we read from.  No backend calls here."""
-        out, deadline = [], time.monotonic() + self.config.handshake_timeout
+        out, deadline = [], time.monotonic() + self.agent.config.handshake_timeout
         for rank in remote_ranks(self.rank, self.config.tp_size, src.tp_size):
             if rank >= len(src.endpoints):
                 raise IncompatiblePeer(f"no endpoint for prefill rank {rank} of engine {src.engine_id!r}")
@@ -480,7 +480,7 @@ class ConnectorWorker:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise HandshakeTimeout(f"handshakes with the {src.tp_size} ranks of prefill engine "
-                                       f"{src.engine_id!r} took over {self.config.handshake_timeout:g}s")
+                                       f"{src.engine_id!r} took over {self.agent.config.handshake_timeout:g}s")
             info = fetch_info(src.endpoints[rank], self.agent.name, left, self.agent.secret)
             check_peer(self._card, WorkerCard.from_info(info), engine_id=src.engine_id, rank=rank,
                        tp_size=src.tp_size)
@@ -589,7 +589,7 @@ class ConnectorWorker:
                                        "died with its old process (recompute it)")
             return
         recv.settled, recv.remote = True, remote
-        recv.deadline = time.monotonic() + self.config.transfer_timeout + _SLACK
+        recv.deadline = time.monotonic() + self.agent.config.transfer_timeout + _SLACK
         recv.posted = time.perf_counter()
         try:
             if len(req.local_block_ids) != len(src.block_ids):
@@ -652,7 +652,7 @@ class ConnectorWorker:
                 continue  # even after an error: let the rest settle before releasing
             if pending:
                 recv.error = recv.error or (f"read did not finish within "
-                                            f"{self.config.transfer_timeout + _SLACK:g}s")
+                                            f"{self.agent.config.transfer_timeout + _SLACK:g}s")
                 recv.peer_lost = True
             elif self._checker is not None and recv.error is None and recv.transfers and self._proving(recv, now):
                 continue
@@ -671,7 +671,7 @@ class ConnectorWorker:
         check or are being proven; its error is set when they could not be
         within the budget (counted from when they landed)."""
         # each path's digests within a handshake_timeout (per_request ids at a time: once for most reads)
-        budget = (self.config.handshake_timeout + _SLACK) * len(recv.remote.paths)
+        budget = (self.agent.config.handshake_timeout + _SLACK) * len(recv.remote.paths)
         conn = (recv.req.remote.engine_id, tuple(recv.req.remote.endpoints))
         if not recv.queued:
             recv.queued, recv.deadline = True, now + budget

@@ -85,6 +85,19 @@ def test_part_layout_addresses_slices_of_parts():
 # -- configuration ----------------------------------------------------------------
 
 
+def test_the_timeouts_come_from_the_kvt_config_file_unless_the_connector_sets_them(tmp_path, monkeypatch):
+    # before: the connector's own defaults (5 s, 30 s) overrode the file's, silently
+    (tmp_path / "kvt.toml").write_text("transfer_timeout = 12\nhandshake_timeout = 1\n")
+    monkeypatch.setenv("KVT_CONFIG", str(tmp_path / "kvt.toml"))
+    got = config().kvt_config()
+    assert (got.transfer_timeout, got.handshake_timeout) == (12, 1)
+    got = config(transfer_timeout=7.0).kvt_config()
+    assert (got.transfer_timeout, got.handshake_timeout) == (7, 1)
+    monkeypatch.delenv("KVT_CONFIG")
+    got = config().kvt_config()
+    assert (got.transfer_timeout, got.handshake_timeout) == (30, 5)
+
+
 def test_config_from_dict_names_the_bad_field():
     with pytest.raises(ConfigError, match="tp_size"):
         ConnectorConfig.from_dict({"engine_id": "e", "kv": msgspec.to_builtins(SPEC), "tp_size": 0})

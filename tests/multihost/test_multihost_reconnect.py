@@ -5,6 +5,8 @@ the old process ever ends DONE with its (stale) data."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cluster import BACKENDS, need_backend
@@ -44,3 +46,48 @@ def test_peer_that_stays_down_fails_cleanly(net, nodes, backend):
     for _ in range(2):  # the transfer, then the reconnect attempt: both typed errors, neither hangs
         rep = decode.read(peer, [0], [0], salt=7, timeout=15)
         assert rep.get("error") in LOST, rep
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_back_under_another_name_fails_at_once_saying_to_connect_again(net, nodes, backend):
+    """An agent whose name was drawn at start comes back as another peer:
+    once the route is found to lead there, transfers to the old name fail
+    with PeerDisconnected naming the new agent and what to do, and make no
+    further attempts."""
+    need_backend(backend)
+    a, b = net.hosts
+    prefill = nodes(a, "prefill-1", backend, salt=7, port=PORT, timeout=3.0)
+    decode = nodes(b, "decode", backend, salt=3, timeout=3.0)
+    peer = decode.call("connect", endpoint=prefill.endpoint)["peer"]
+    prefill.kill()
+    nodes(a, "prefill-2", backend, salt=8, port=PORT, timeout=3.0)
+    first = decode.read(peer, [0], [0], salt=8)
+    assert first.get("error") in LOST, first
+    for _ in range(2):
+        rep = decode.read(peer, [0], [0], salt=8)
+        assert rep.get("error") == "PeerDisconnected", rep
+        assert "'prefill-2'" in rep["msg"] and "connect(" in rep["msg"], rep
+    assert decode.call("connect", endpoint=prefill.endpoint)["peer"] == "prefill-2"
+    assert decode.read("prefill-2", [0], [0], salt=8) == {"ok": True, "verified": True}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attempts_on_a_killed_peer_do_not_wait_out_the_handshake_timeout(net, nodes, backend):
+    """A killed process's port refuses connections: each attempt to fetch
+    its metadata again fails at once instead of waiting 2 s, so a loop of
+    transfers to it is not slowed to one per 2-4 s."""
+    need_backend(backend)
+    a, b = net.hosts
+    prefill = nodes(a, "prefill", backend, salt=7, port=PORT, timeout=3.0)
+    decode = nodes(b, "decode", backend, salt=3, timeout=3.0)
+    peer = decode.call("connect", endpoint=prefill.endpoint)["peer"]
+    prefill.kill()
+    assert decode.read(peer, [0], [0], salt=7).get("error") in LOST  # noticed (within the 3 s timeout)
+    for _ in range(3):
+        time.sleep(0.15)  # past the 0.1 s between attempts: each read makes one
+        t0 = time.monotonic()
+        rep = decode.read(peer, [0], [0], salt=7)
+        took = time.monotonic() - t0
+        assert rep.get("error") in LOST, rep
+        # an attempt that waited for an answer would take 2 s (the cap on one attempt)
+        assert took < 1.5, f"a transfer to a killed peer took {took:.2f}s: the attempt waited out a timeout"
