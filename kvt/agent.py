@@ -20,6 +20,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any, Mapping, Sequence
@@ -164,7 +165,6 @@ _PROC = XferState.PROC.status
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
 _RECOVER_TIMEOUT = 2.0  # seconds spent asking a lost peer for new metadata
 _RECOVER_EVERY = 0.1    # seconds between such attempts on a peer that stays lost (bounds the store load)
-_PEER_STRIPES = 16      # locks ordering peer loads and removals (a peer's name picks one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,7 +354,10 @@ class Agent:
         self._lock = threading.RLock()
         # loading or removing a peer can wait on the backend (host waits out the peer's copies): it
         # holds only its peer's stripe, so calls about other peers and notifications go on meanwhile
-        self._peer_locks = [threading.RLock() for _ in range(_PEER_STRIPES)]
+        # one lock per peer name, alive while in use (a lock shared by two names made a reload waiting
+        # on one peer's busy lane hold up loading the other: 1 in 16 pairs of names, with stripes)
+        self._peer_locks: weakref.WeakValueDictionary[str, threading.RLock] = weakref.WeakValueDictionary()
+        self._peer_locks_guard = threading.Lock()
         self._notif_lock = threading.Lock()
         self._close_lock = threading.Lock()  # a second close() returns once the first is done
         self._server: HandshakeServer | None = None
@@ -511,7 +514,11 @@ class Agent:
 
     def _peer_lock(self, name: str) -> threading.RLock:
         """The lock that orders loading, reloading and removing ``name``."""
-        return self._peer_locks[hash(name) % _PEER_STRIPES]
+        with self._peer_locks_guard:
+            lock = self._peer_locks.get(name)
+            if lock is None:
+                lock = self._peer_locks[name] = threading.RLock()
+            return lock
 
     def _fetch(self, route: str, timeout: float | None, probe: bool = False) -> AgentInfo:
         """``probe``: first see whether anything listens there (a process
