@@ -59,8 +59,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..demo import DemoSpec, run as run_demo
-    from ..errors import InvalidArgument
-    from ..errors import BackendUnavailable
+    from ..errors import BackendUnavailable, InvalidArgument
     from ..registry import load_backend, own_options
 
     check_args(args)
