@@ -11,18 +11,26 @@
  *
  * copy_indexed is a whole same-host request in one call: rows picked by
  * index from tables prepared once (bounds and pairwise lengths checked
- * before any byte moves), the copy, and the guards around it (a shared lock
- * on the owner's epoch page for the copy's duration, the epoch word before
- * and after, the owner's pidfd after), so a request costs one C call
- * instead of microseconds of Python and system calls per step.
+ * before any byte moves), the copy, and the guards around it (the copy
+ * announced in the caller's slot of the owner's epoch page, or else a shared
+ * lock on that page, for the copy's duration; the epoch word before and
+ * after; the owner's liveness word, or else its pidfd, after), so a request
+ * costs one C call instead of microseconds of Python and system calls.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #define MAX_THREADS 16
 
@@ -363,9 +371,34 @@ static int exited(int pidfd)
     return poll(&pfd, 1, 0) != 0;
 }
 
+/* A guard slot (kvt/epoch.py) counts its copier's copies under way.  Copier:
+ * increment, fence, read the epoch.  Owner: bump the epoch, fence, read the
+ * slots.  Each side's load comes after its own store, so one of them sees the
+ * other's: a copy either sees the new epoch (and does not happen) or is
+ * counted when the owner looks.  No system call, unlike a shared flock. */
+static inline void slot_enter(uint64_t *slot)
+{
+    __atomic_add_fetch(slot, 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+static inline void slot_leave(uint64_t *slot)
+{
+    __atomic_sub_fetch(slot, 1, __ATOMIC_RELEASE);
+}
+
+/* The owner's liveness word (kvt/epoch.py) holds the id of a thread of the
+ * owner's that does nothing else; the kernel clears it (FUTEX_OWNER_DIED)
+ * as that thread exits, however the process dies: see keep_alive. */
+static inline int word_gone(uintptr_t word, uint32_t tid)
+{
+    return (__atomic_load_n((const uint32_t *)word, __ATOMIC_ACQUIRE) & FUTEX_TID_MASK) != tid;
+}
+
 PyDoc_STRVAR(copy_indexed_doc,
 "copy_indexed(dst, di, src, si, lengths, src_lengths=None, threads=1, split_bytes=0,\n"
-"             max_bytes=2**64-1, epoch=0, seen=0, pidfd=-1, lock=-1) -> int\n\n"
+"             max_bytes=2**64-1, epoch=0, seen=0, pidfd=-1, lock=-1, slot=0,\n"
+"             alive=0, tid=0) -> int\n\n"
 "For every k copy the row di[k] of table (dst, lengths) from row si[k] of\n"
 "table (src, src_lengths): dst, src are 1-D uint64 address tables, di, si\n"
 "1-D int64 indices, lengths a uint64 table or one int (uniform rows).\n"
@@ -377,19 +410,30 @@ PyDoc_STRVAR(copy_indexed_doc,
 "copies under way; held, else, until the copy and its checks end),\n"
 "-2 if the total exceeds\n"
 "max_bytes; after copying -3 if pidfd (when >= 0) shows its process\n"
-"exited, -4 if the epoch word moved meanwhile.  The GIL is released for\n"
-"the copy.");
+"exited, -4 if the epoch word moved meanwhile.  slot (when non-zero; then\n"
+"lock is not taken): the address of a guard slot, a uint64 counter raised\n"
+"(with a full fence) before the first epoch check and lowered after the\n"
+"last.  alive (when non-zero; then pidfd is not polled): the address of\n"
+"the owner's liveness word, which must hold tid after the copy (else -3).\n"
+"The GIL is released for the copy.");
 
 static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"dst", "di", "src", "si", "lengths", "src_lengths", "threads", "split_bytes",
-                            "max_bytes", "epoch", "seen", "pidfd", "lock", NULL};
+                            "max_bytes", "epoch", "seen", "pidfd", "lock", "slot", "alive",
+                            "tid", NULL};
     PyObject *dobj, *diobj, *sobj, *siobj, *lobj, *slobj = Py_None;
     int threads = 1, pidfd = -1, lock = -1;
-    unsigned long long split = 0, max_bytes = UINT64_MAX, epoch = 0, seen = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|OiKKKKii", names, &dobj, &diobj, &sobj, &siobj, &lobj,
-                                     &slobj, &threads, &split, &max_bytes, &epoch, &seen, &pidfd, &lock))
+    unsigned long long split = 0, max_bytes = UINT64_MAX, epoch = 0, seen = 0, slot = 0, alive = 0;
+    unsigned int tid = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|OiKKKKiiKKI", names, &dobj, &diobj, &sobj, &siobj, &lobj,
+                                     &slobj, &threads, &split, &max_bytes, &epoch, &seen, &pidfd, &lock,
+                                     &slot, &alive, &tid))
         return NULL;
+    if (slot % 8 || alive % 4) {  /* an atomic across cache lines may fault (split-lock detection) */
+        PyErr_SetString(PyExc_ValueError, "slot must be 8-byte and alive 4-byte aligned");
+        return NULL;
+    }
     Py_buffer views[6];
     int nviews = 0;
     PyObject *out = NULL;
@@ -463,8 +507,13 @@ static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
         goto done;
     } else {
         Py_BEGIN_ALLOW_THREADS
-        /* the lock first: an owner that bumped the epoch and now drains either waits for this
-         * copy or made us see the new epoch; any failure (not only EWOULDBLOCK) copies nothing */
+        /* the slot or the lock first: an owner that bumped the epoch and now drains either waits
+         * for this copy or made us see the new epoch; any lock failure (not only EWOULDBLOCK)
+         * copies nothing */
+        if (slot) {
+            slot_enter((uint64_t *)(uintptr_t)slot);
+            lock = -1;
+        }
         if (lock >= 0 && flock(lock, LOCK_SH | LOCK_NB) != 0) {
             code = STALE;
         } else {
@@ -472,7 +521,7 @@ static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
                 code = STALE;
             } else {
                 run(&p, total, threads, split);
-                if (pidfd >= 0 && exited(pidfd))
+                if (alive ? word_gone((uintptr_t)alive, tid) : pidfd >= 0 && exited(pidfd))
                     code = DEAD;  /* a dead peer's pages stay mapped; its data no longer counts */
                 else if (epoch && epoch_now((uintptr_t)epoch) != seen)
                     code = STALE_AFTER;  /* it deregistered while we copied */
@@ -480,6 +529,8 @@ static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
             if (lock >= 0)
                 flock(lock, LOCK_UN);
         }
+        if (slot)
+            slot_leave((uint64_t *)(uintptr_t)slot);
         Py_END_ALLOW_THREADS
     }
     out = PyLong_FromLongLong(code);
@@ -489,9 +540,197 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(atomic_add_doc,
+"atomic_add(address, delta) -> int\n\n"
+"Add delta to the uint64 at address (modulo 2**64) atomically, then a full\n"
+"fence; returns the new value.  The address must be 8-byte aligned and\n"
+"mapped writable (the caller vouches, as for copy).");
+
+static PyObject *py_atomic_add(PyObject *self, PyObject *args)
+{
+    unsigned long long addr, delta;
+    if (!PyArg_ParseTuple(args, "KK", &addr, &delta))
+        return NULL;
+    if (!addr || addr % 8) {
+        PyErr_SetString(PyExc_ValueError, "address must be non-zero and 8-byte aligned");
+        return NULL;
+    }
+    uint64_t v = __atomic_add_fetch((uint64_t *)(uintptr_t)addr, (uint64_t)delta, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+PyDoc_STRVAR(atomic_cas_doc,
+"atomic_cas(address, expected, new) -> bool\n\n"
+"Store new in the uint64 at address if it holds expected, atomically;\n"
+"True if it did.  Same address rules as atomic_add.");
+
+static PyObject *py_atomic_cas(PyObject *self, PyObject *args)
+{
+    unsigned long long addr, expected, desired;
+    if (!PyArg_ParseTuple(args, "KKK", &addr, &expected, &desired))
+        return NULL;
+    if (!addr || addr % 8) {
+        PyErr_SetString(PyExc_ValueError, "address must be non-zero and 8-byte aligned");
+        return NULL;
+    }
+    uint64_t want = expected;
+    return PyBool_FromLong(__atomic_compare_exchange_n((uint64_t *)(uintptr_t)addr, &want, (uint64_t)desired, 0,
+                                                       __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+}
+
+/* keep_alive: the owner's side of the liveness word.  The keeper thread
+ * registers the word as its robust futex list's one entry (the entry itself
+ * in private memory: a peer that can write the page cannot lengthen the
+ * list), stores its id there, and blocks on a pipe.  At exit, by any cause,
+ * the kernel marks every word on that list whose id is the dying thread's.
+ * A raw set_robust_list replaces glibc's for this thread only, which holds
+ * no pthread robust mutex.  Stopping empties the list before the word is
+ * cleared and the thread exits.  The keeper maps the page itself and unmaps
+ * it only after its thread ended: whatever order Python frees things in, the
+ * word it writes is mapped, and the kernel never marks one it let go. */
+#define PAGE_BYTES 4096
+
+typedef struct {
+    struct robust_list_head head;
+    struct robust_list entry;
+    void *page;  /* our own mapping of the owner's page */
+    uint32_t *word;
+    uint32_t tid;
+    int rfd, wfd;
+    pid_t pid;  /* the process that started it: a forked child must not join or clear */
+    pthread_t thread;
+} Keeper;
+
+static void *keeper_main(void *arg)
+{
+    Keeper *k = arg;
+    uint32_t tid = (uint32_t)syscall(SYS_gettid);
+    k->entry.next = &k->head.list;
+    k->head.list.next = &k->entry;
+    k->head.futex_offset = (long)((char *)k->word - (char *)&k->entry);
+    k->head.list_op_pending = NULL;
+    if (syscall(SYS_set_robust_list, &k->head, sizeof k->head) == 0)
+        __atomic_store_n(k->word, tid, __ATOMIC_SEQ_CST);
+    else
+        tid = UINT32_MAX;  /* no robust list here: the caller reports it */
+    __atomic_store_n(&k->tid, tid, __ATOMIC_RELEASE);
+    char c;
+    while (read(k->rfd, &c, 1) < 0 && errno == EINTR)
+        ;
+    k->head.list.next = &k->head.list;  /* empty first: the kernel must not mark a word we let go */
+    __atomic_store_n(k->word, 0, __ATOMIC_SEQ_CST);
+    return NULL;
+}
+
+static void keeper_stop(Keeper *k)
+{
+    close(k->wfd);  /* wakes the keeper (read returns 0) */
+    if (k->pid == getpid())  /* (with the GIL: the keeper never takes it, and ends at once) */
+        pthread_join(k->thread, NULL);
+    close(k->rfd);
+    munmap(k->page, PAGE_BYTES);
+    PyMem_RawFree(k);
+}
+
+static void keeper_capsule_free(PyObject *capsule)
+{
+    Keeper *k = PyCapsule_GetPointer(capsule, "kvt._copy.Keeper");
+    if (k)
+        keeper_stop(k);
+}
+
+PyDoc_STRVAR(keep_alive_doc,
+"keep_alive(fd, offset) -> (tid, keeper)\n\n"
+"Start a thread that holds the uint32 at offset (4-byte aligned, below\n"
+"4096) of the shared file fd (at least 4096 bytes, writable) at its thread\n"
+"id tid until stop_alive(keeper) clears it, or until this process dies:\n"
+"then the kernel clears the id and sets FUTEX_OWNER_DIED.  OSError if the\n"
+"page, the thread or its robust list cannot be had.");
+
+static PyObject *py_keep_alive(PyObject *self, PyObject *args)
+{
+    int fd;
+    unsigned int offset;
+    if (!PyArg_ParseTuple(args, "iI", &fd, &offset))
+        return NULL;
+    if (offset % 4 || offset > PAGE_BYTES - 4) {
+        PyErr_SetString(PyExc_ValueError, "offset must be 4-byte aligned and below 4096");
+        return NULL;
+    }
+    Keeper *k = PyMem_RawCalloc(1, sizeof *k);
+    if (!k)
+        return PyErr_NoMemory();
+    int fds[2];
+    k->page = mmap(NULL, PAGE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (k->page == MAP_FAILED || pipe2(fds, O_CLOEXEC) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        if (k->page != MAP_FAILED)
+            munmap(k->page, PAGE_BYTES);
+        PyMem_RawFree(k);
+        return NULL;
+    }
+    k->rfd = fds[0], k->wfd = fds[1], k->word = (uint32_t *)((char *)k->page + offset), k->pid = getpid();
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    int bad = pthread_create(&k->thread, &attr, keeper_main, k);
+    pthread_attr_destroy(&attr);
+    if (bad) {
+        close(fds[0]), close(fds[1]);
+        munmap(k->page, PAGE_BYTES);
+        PyMem_RawFree(k);
+        errno = bad;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    uint32_t tid = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec nap = {0, 20000};
+    for (int i = 0; i < 250000 && !(tid = __atomic_load_n(&k->tid, __ATOMIC_ACQUIRE)); i++)
+        nanosleep(&nap, NULL);  /* it starts in microseconds; 5 s bounds a stalled machine */
+    Py_END_ALLOW_THREADS
+    if (tid == 0 || tid == UINT32_MAX) {  /* (not started yet: the join waits for it to find its pipe closed) */
+        keeper_stop(k);
+        PyErr_SetString(PyExc_OSError, tid ? "kvt._copy.keep_alive: set_robust_list failed"
+                                           : "kvt._copy.keep_alive: the keeper thread did not start within 5 s");
+        return NULL;
+    }
+    PyObject *capsule = PyCapsule_New(k, "kvt._copy.Keeper", keeper_capsule_free);
+    if (!capsule) {
+        keeper_stop(k);
+        return NULL;
+    }
+    return Py_BuildValue("(IN)", tid, capsule);
+}
+
+PyDoc_STRVAR(stop_alive_doc,
+"stop_alive(keeper) -> None\n\n"
+"Clear the word keep_alive holds and end its thread (idempotent).");
+
+static const char STOPPED[] = "kvt._copy.Keeper(stopped)";
+
+static PyObject *py_stop_alive(PyObject *self, PyObject *capsule)
+{
+    if (PyCapsule_CheckExact(capsule) && PyCapsule_GetName(capsule) == STOPPED)
+        Py_RETURN_NONE;
+    Keeper *k = PyCapsule_GetPointer(capsule, "kvt._copy.Keeper");
+    if (!k)
+        return NULL;
+    if (PyCapsule_SetDestructor(capsule, NULL) != 0)
+        return NULL;
+    keeper_stop(k);
+    /* a stopped keeper's capsule points at nothing: a second stop is a no-op */
+    PyCapsule_SetName(capsule, STOPPED);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_VARARGS | METH_KEYWORDS, copy_doc},
     {"copy_indexed", (PyCFunction)(void (*)(void))py_copy_indexed, METH_VARARGS | METH_KEYWORDS, copy_indexed_doc},
+    {"atomic_add", py_atomic_add, METH_VARARGS, atomic_add_doc},
+    {"atomic_cas", py_atomic_cas, METH_VARARGS, atomic_cas_doc},
+    {"keep_alive", py_keep_alive, METH_VARARGS, keep_alive_doc},
+    {"stop_alive", py_stop_alive, METH_O, stop_alive_doc},
     {NULL, NULL, 0, NULL},
 };
 

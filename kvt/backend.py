@@ -83,8 +83,7 @@ class Backend(abc.ABC):
         self.check_options(self.options)
         self.timeout = float(check_timeout(self.options.get("timeout", 30.0), f"{type(self).__name__} option timeout"))
         self._closed = False
-        self._ids = iter(range(1, 1 << 62))
-        self._ids_lock = threading.Lock()
+        self._ids = iter(range(1, 1 << 62))  # next() on it is one C call: atomic under the GIL
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -245,8 +244,7 @@ class Backend(abc.ABC):
     # -- helpers for implementations -------------------------------------------
 
     def _next_id(self) -> int:
-        with self._ids_lock:
-            return next(self._ids)
+        return next(self._ids)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -11,11 +11,32 @@ value its metadata carried: if it moved, the metadata is stale and the copy
 must not happen (the host backend falls back to its owner-checked server;
 others refuse with ``RemoteRejected``).
 
-The page also orders a deregistration after the copies already under way:
-a peer holds a shared ``flock`` on its own open of the page while it copies
-(``EpochWatch.hold``), and the owner, after bumping the counter, takes the
-exclusive lock once (``Epoch.drain``), which waits for every such copy.  A
-copy that starts after the bump sees the new value and does not happen.
+The page also orders a deregistration after the copies already under way.
+A peer claims a *guard slot* on the page when it maps it and counts its
+copies under way there (an atomic increment and a fence before it checks
+the counter, a decrement after its last check: no system call); the owner,
+after bumping the counter, waits until every slot has read zero once
+(``Epoch.drain``).  Each side stores, fences, then loads what the other
+stores, so either the copy sees the new counter (and does not happen) or the
+owner sees it counted and waits.  A peer without a slot (the pure-Python
+copy engine has no atomics; an owner of a kvt before slots; every slot
+taken) holds a shared ``flock`` on its own open of the page instead, and the
+owner's drain also takes the exclusive lock once.  A slot whose claimant
+died is not waited for and is claimed again.
+
+The page also tells whether its owner is alive, without a system call:
+the owner's *liveness word* holds the id of a thread of the owner's that
+does nothing else (``memcopy.keep_alive``), and the kernel clears it when
+that thread exits, however the owner dies (a robust futex).  A peer checks
+it after each copy: bytes copied from or into a dead owner must not count.
+A peer that finds no id there (the owner's engine is pure Python) polls the
+owner's pidfd instead.
+
+Page layout (4 KiB, whatever the system's page size): the counter at byte
+0, ``_MAGIC`` at byte 8 when the owner's drain watches slots, the liveness
+word (uint32) at byte 20, then 63 slots of 64 bytes (one cache line each)
+from byte 64: the claimant's tag (``pid << 32 | n``, 0 when free) and its
+count of copies under way.
 
 This protects against stale metadata, the honest mistake.  It is not a
 boundary against a hostile process of the same user: on one host the
@@ -25,6 +46,7 @@ kernel, not kvt, decides who may read whose memory (docs/security.md).
 from __future__ import annotations
 
 import fcntl
+import itertools
 import mmap
 import os
 import struct
@@ -32,12 +54,40 @@ import time
 
 import numpy as np
 
+from . import memcopy
+
 __all__ = ["Epoch", "EpochWatch"]
 
 _NAME = "kvt-epoch"
 _COUNTER = struct.Struct("=Q")
+_PAGE = 4096
+_MAGIC = int.from_bytes(b"kvtslot1", "little")  # at byte 8: this owner's drain watches the slots
+_SLOTS_AT, _SLOT_BYTES, _NSLOTS = 64, 64, 63
+_ALIVE_AT = 20
+_TID_MASK, _OWNER_DIED = 0x3FFFFFFF, 0x40000000  # <linux/futex.h>
+_PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT: a claimant tag naming a larger pid is nobody's
+_tags = itertools.count(1)  # n in this process's claimant tags (pid << 32 | n): one per watch
 # the page can never shrink: a peer that maps it cannot be made to fault (SIGBUS) on a truncated file
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _slots(mm: mmap.mmap) -> np.ndarray:
+    """(claimant tag, copies under way) per slot: a view of the page."""
+    words = np.frombuffer(mm, np.uint64, _NSLOTS * _SLOT_BYTES // 8, _SLOTS_AT)
+    return words.reshape(_NSLOTS, _SLOT_BYTES // 8)[:, :2]
+
+
+def _claimant_alive(tag: int) -> bool:
+    pid = tag >> 32
+    if not 0 < pid <= _PID_MAX:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        pass
+    return True
 
 
 class Epoch:
@@ -46,60 +96,92 @@ class Epoch:
     def __init__(self) -> None:
         self.fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(self.fd, mmap.PAGESIZE)
+            os.ftruncate(self.fd, max(_PAGE, mmap.PAGESIZE))
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-            self._mm = mmap.mmap(self.fd, mmap.PAGESIZE, flags=mmap.MAP_SHARED)
+            self._mm = mmap.mmap(self.fd, _PAGE, flags=mmap.MAP_SHARED)
         except OSError:
             os.close(self.fd)
             raise
+        self._slots = _slots(self._mm)
+        self._word = np.frombuffer(self._mm, np.uint64, 1)
+        self._addr = self._word.ctypes.data
+        self._keeper = None
+        if memcopy.atomic_add is not None:  # slots need atomics: a bump, then a fence, then the drain's reads
+            struct.pack_into("=Q", self._mm, 8, _MAGIC)
+            try:
+                self._keeper = memcopy.keep_alive(self.fd, _ALIVE_AT)[1]
+            except OSError:  # (peers then poll our pidfd)
+                pass
 
     @property
     def value(self) -> int:
         return _COUNTER.unpack_from(self._mm)[0]
 
     def bump(self) -> None:
-        """Call after a deregistration (callers serialise: one aligned 8-byte store)."""
-        _COUNTER.pack_into(self._mm, 0, self.value + 1)
+        """Call after a deregistration (callers serialise)."""
+        if memcopy.atomic_add is not None:
+            memcopy.atomic_add(self._addr, 1)  # a store, then a full fence: before drain reads the slots
+        else:
+            _COUNTER.pack_into(self._mm, 0, self.value + 1)
 
     def drain(self, timeout: float) -> bool:
         """After ``bump``: wait until no same-host peer is still inside a copy
         it began before the bump.  False if one still was after ``timeout``
         seconds (a peer stopped mid-copy)."""
         deadline = time.monotonic() + timeout
+        locked = False
+        busy = np.flatnonzero(self._slots[:, 1]) if memcopy.atomic_add is not None else ()
         while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.0005)  # copies run at memory speed
-                continue
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            return True
+            if not locked:  # the copies of peers without a slot
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+                    locked = True
+                except BlockingIOError:
+                    pass
+            # a slot seen at zero once is done: its later copies see the new counter
+            busy = [i for i in busy if self._slots[i, 1] and _claimant_alive(int(self._slots[i, 0]))]
+            if locked and not busy:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)  # copies run at memory speed
 
     def close(self) -> None:
         if self.fd >= 0:
+            if self._keeper is not None:  # the word cleared now, not when the object goes
+                memcopy.stop_alive(self._keeper)
+                self._keeper = None
+            self._slots = self._word = None  # the mapping cannot close while an array views it
             self._mm.close()
             os.close(self.fd)
             self.fd = -1
 
 
 class EpochWatch:
-    """A peer's view of an owner's counter, mapped read-only."""
+    """A peer's view of an owner's page: its counter, and with ``claim_slot``
+    our guard slot and its liveness word (the page mapped writable then)."""
 
-    def __init__(self, pid: int, fd: int, seen: int):
+    def __init__(self, pid: int, fd: int, seen: int, claim_slot: bool = False):
         path = f"/proc/{int(pid)}/fd/{int(fd)}"
         if not os.readlink(path).startswith(f"/memfd:{_NAME}"):
             raise OSError(f"{path} is not a kvt registration epoch")
-        f = os.open(path, os.O_RDONLY)
+        slots = claim_slot and memcopy.atomic_cas is not None
+        try:  # writable only to claim a guard slot; read-only is enough for the lock
+            f = os.open(path, os.O_RDWR if slots else os.O_RDONLY)
+        except PermissionError:
+            slots, f = False, os.open(path, os.O_RDONLY)
         try:
             # sealed against shrinking (as Epoch makes it): otherwise its owner could truncate it
             # after we mapped it, and our next read of the counter would die of SIGBUS
             if not fcntl.fcntl(f, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
                 raise OSError(f"{path} is not sealed against shrinking, as a registration epoch is")
-            if os.fstat(f).st_size < _COUNTER.size:
+            size = os.fstat(f).st_size
+            if size < _COUNTER.size:
                 raise OSError(f"{path} is too small to be a registration epoch")
-            self._mm = mmap.mmap(f, _COUNTER.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            slots = slots and size >= _PAGE
+            self._mm = mmap.mmap(f, _PAGE if slots else _COUNTER.size, flags=mmap.MAP_SHARED,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE if slots else mmap.PROT_READ)
         except BaseException:
             os.close(f)
             raise
@@ -110,24 +192,61 @@ class EpochWatch:
         self._word = np.frombuffer(self._mm, np.uint64, 1)
         #: where the counter is mapped, for native code that checks it around a copy (valid until close)
         self.address = self._word.ctypes.data
+        self._tag = 0
+        #: our guard slot's count of copies under way (its address), or 0: take ``fd``'s lock instead
+        self.slot = self._claim() if slots and _COUNTER.unpack_from(self._mm, 8)[0] == _MAGIC else 0
+        #: the owner's liveness word (its address) and the id it holds while the owner lives; 0, 0:
+        #: none (poll the owner's pidfd)
+        self.alive = self.tid = 0
+        if self.slot:
+            word = struct.unpack_from("=I", self._mm, _ALIVE_AT)[0]
+            if word & _TID_MASK and not word & _OWNER_DIED:
+                self.alive, self.tid = self.address + _ALIVE_AT, word & _TID_MASK
+
+    def _claim(self) -> int:
+        """A free slot, else one whose claimant died; 0 if every slot is in use."""
+        tag = os.getpid() << 32 | next(_tags) & 0xFFFFFFFF
+        table = _slots(self._mm)
+        base = table.ctypes.data
+        for i in range(_NSLOTS):
+            if memcopy.atomic_cas(base + i * _SLOT_BYTES, 0, tag):
+                break
+        else:
+            for i in range(_NSLOTS):
+                old = int(table[i, 0])
+                if not _claimant_alive(old) and memcopy.atomic_cas(base + i * _SLOT_BYTES, old, tag):
+                    # the dead claimant's count stays up forever: ours starts from zero
+                    memcopy.atomic_add(base + i * _SLOT_BYTES + 8, -int(table[i, 1]) % (1 << 64))
+                    break
+            else:
+                return 0
+        self._tag = tag
+        return base + i * _SLOT_BYTES + 8
 
     @classmethod
-    def open(cls, pid: int, fd: int, seen: int) -> "EpochWatch | None":
+    def open(cls, pid: int, fd: int, seen: int, claim_slot: bool = False) -> "EpochWatch | None":
         """The watch, or ``None`` if the page cannot be mapped (then no
-        same-host path may trust the metadata)."""
+        same-host path may trust the metadata).  ``claim_slot``: for a
+        peer that will ``hold`` it around its own copies (one of the page's
+        63 slots, when one is free and the engine is native)."""
         if not isinstance(fd, int) or fd < 0:
             return None
         try:
-            return cls(pid, fd, seen)
+            return cls(pid, fd, seen, claim_slot)
         except (OSError, ValueError, TypeError, OverflowError):  # TypeError: pid or fd not a number
             return None
 
     def hold(self) -> bool:
         """Before a same-host copy: the owner's ``drain`` now waits for our
         ``release``.  False while the owner is draining (its counter has
-        moved: the copy must not happen).  One copy at a time per watch: the
-        lock belongs to the open file, not the thread.  (``memcopy.copy_indexed``
-        does the same in one call, given ``fd`` as its ``lock``.)"""
+        moved: the copy must not happen); True does not say it has not: check
+        ``stale`` after ``hold``, as the owner may bump at any time.  One copy
+        at a time per watch: the lock belongs to the open file, not the
+        thread.  (``memcopy.copy_indexed`` does the same in one call, given
+        ``slot``, or ``fd`` as its ``lock``.)"""
+        if self.slot:
+            memcopy.atomic_add(self.slot, 1)
+            return True
         try:
             fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -135,7 +254,10 @@ class EpochWatch:
         return True
 
     def release(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        if self.slot:
+            memcopy.atomic_add(self.slot, (1 << 64) - 1)
+        else:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     @property
     def stale(self) -> bool:
@@ -143,8 +265,12 @@ class EpochWatch:
         return _COUNTER.unpack_from(self._mm)[0] != self.seen
 
     def close(self) -> None:
+        """Call with no copy under way (the slot is given back)."""
+        if self.slot:
+            memcopy.atomic_cas(self.slot - 8, self._tag, 0)
+            self.slot = 0
         self._word = None  # the mapping cannot close while an array views it
-        self.address = 0
+        self.address = self.alive = 0
         self._mm.close()
         if self.fd >= 0:
             os.close(self.fd)

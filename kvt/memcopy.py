@@ -38,7 +38,7 @@ import select
 import numpy as np
 
 __all__ = ["copy", "copy_indexed", "gather", "scatter", "coalesce", "process_vm", "ENGINE", "ENGINE_REASON",
-           "STALE", "TOO_BIG", "DEAD", "STALE_AFTER"]
+           "STALE", "TOO_BIG", "DEAD", "STALE_AFTER", "atomic_add", "atomic_cas", "keep_alive", "stop_alive"]
 
 _native = None
 if os.environ.get("KVT_NATIVE", "1") == "0":
@@ -106,16 +106,29 @@ def copy(dst: np.ndarray, src: np.ndarray, lengths) -> None:
         _copy_python(dst, src, lengths)
 
 
+#: ``atomic_add(address, delta) -> new`` and ``atomic_cas(address, expected, new) -> bool`` on a
+#: uint64 in shared memory, each with a full fence (``kvt.epoch``'s guard slots); ``None`` with the
+#: pure-Python engine, which has no atomics: its callers take locks instead
+atomic_add = None if _native is None else _native.atomic_add
+atomic_cas = None if _native is None else _native.atomic_cas
+#: ``keep_alive(fd, offset) -> (tid, keeper)``: a thread of ours holds the uint32 at ``offset`` of
+#: the shared file ``fd`` at its id until ``stop_alive(keeper)``; if this process dies first, the
+#: kernel clears the id (the owner's liveness word in ``kvt.epoch``).  ``None`` with the
+#: pure-Python engine.
+keep_alive = None if _native is None else _native.keep_alive
+stop_alive = None if _native is None else _native.stop_alive
+
 #: what ``copy_indexed`` returns instead of a byte count: nothing copied because the
 #: epoch word moved (STALE) or the request exceeds ``max_bytes`` (TOO_BIG); copied,
 #: but the pidfd shows the process exited (DEAD) or the epoch moved meanwhile (STALE_AFTER)
 STALE, TOO_BIG, DEAD, STALE_AFTER = -1, -2, -3, -4
+_FUTEX_TID_MASK = 0x3FFFFFFF  # <linux/futex.h>: a liveness word's thread id bits
 _NO_LIMIT = (1 << 64) - 1
 
 
 def copy_indexed(dst: np.ndarray, di: np.ndarray, src: np.ndarray, si: np.ndarray, lengths, src_lengths=None,
                  max_bytes: int = _NO_LIMIT, epoch: int = 0, seen: int = 0, pidfd: int = -1,
-                 threads: int = THREADS, lock: int = -1) -> int:
+                 threads: int = THREADS, lock: int = -1, slot: int = 0, alive: int = 0, tid: int = 0) -> int:
     """For every ``k``, copy row ``di[k]`` of the table ``(dst, lengths)``
     from row ``si[k]`` of ``(src, src_lengths)``.
 
@@ -132,16 +145,26 @@ def copy_indexed(dst: np.ndarray, di: np.ndarray, src: np.ndarray, si: np.ndarra
     ``lock`` a file to hold a shared ``flock`` on from before the first check
     to after the last (-1: none; ``STALE`` when it cannot be had at once: its
     owner holds it exclusively while it drains the copies under way).
+    ``slot``, instead of ``lock``: the address of the caller's guard slot on
+    the owner's epoch page (``kvt.epoch``), counted up before the first check
+    and down after the last; native engine only (``atomic_add`` is ``None``
+    without it, and no slot is handed out).  ``alive``, instead of ``pidfd``:
+    the address of the owner's liveness word, which must still hold ``tid``
+    after the copy (else ``DEAD``; see ``keep_alive``).
     ``threads``: at most this many for a large request (``BACKGROUND_THREADS``
     off the posting thread).
     """
     if _native is not None:
         return _native.copy_indexed(dst, di, src, si, lengths, src_lengths, threads, SPLIT_BYTES, max_bytes,
-                                    epoch, seen, pidfd, lock)
-    return _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd, lock)
+                                    epoch, seen, pidfd, lock, slot, alive, tid)
+    if slot:
+        raise ValueError("guard slots need the native engine (kvt._copy); pass lock instead")
+    return _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd, lock,
+                                alive, tid)
 
 
-def _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd, lock) -> int:
+def _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd, lock, alive=0,
+                         tid=0) -> int:
     di, si = _index(di, "di"), _index(si, "si")
     if di.size != si.size:
         raise ValueError(f"di selects {di.size} rows but si {si.size}; they are paired one to one")
@@ -179,7 +202,8 @@ def _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoc
         if epoch and _word(epoch) != seen:
             return STALE
         _copy_python(dst[di], src[si], n)
-        if pidfd >= 0 and _exited(pidfd):
+        if (ctypes.c_uint32.from_address(alive).value & _FUTEX_TID_MASK != tid) if alive else \
+                (pidfd >= 0 and _exited(pidfd)):
             return DEAD
         if epoch and _word(epoch) != seen:
             return STALE_AFTER

@@ -130,9 +130,9 @@ def test_gather_then_scatter_round_trips():
 def _indexed(engine: str, *args, **kw) -> int:
     if engine == "native":
         return memcopy._native.copy_indexed(*args, **kw)
-    names = ("src_lengths", "max_bytes", "epoch", "seen", "pidfd", "lock")
+    names = ("src_lengths", "max_bytes", "epoch", "seen", "pidfd", "lock", "alive", "tid")
     return memcopy._copy_indexed_python(*args[:5], *(kw.get(n, d) for n, d in
-                                                     zip(names, (None, (1 << 64) - 1, 0, 0, -1, -1))))
+                                                     zip(names, (None, (1 << 64) - 1, 0, 0, -1, -1, 0, 0))))
 
 
 def _tables(nblocks: int = 16, block: int = 256):
@@ -287,8 +287,45 @@ def test_indexed_guards(engine):
     me = os.pidfd_open(os.getpid())
     try:
         assert _indexed(engine, d, one, s, one, 256, pidfd=me) == 256
+        # a liveness word replaces the pidfd: it must hold the owner's keeper's id after the copy
+        # (the kernel clears the id bits and sets OWNER_DIED when the keeper dies)
+        live = np.array([4321], np.uint32)
+        assert _indexed(engine, d, one, s, one, 256, alive=live.ctypes.data, tid=4321, pidfd=fd) == 256
+        for word in (4322, 0x40000000, 0):
+            live[0] = word
+            assert _indexed(engine, d, one, s, one, 256, alive=live.ctypes.data, tid=4321, pidfd=me) == memcopy.DEAD
+        live[0] = 0x80000000 | 4321  # FUTEX_WAITERS: not an id bit
+        assert _indexed(engine, d, one, s, one, 256, alive=live.ctypes.data, tid=4321) == 256
     finally:
         os.close(me)
+
+
+@pytest.mark.skipif(memcopy._native is None, reason="guard slots need the native engine")
+def test_indexed_counts_the_copy_in_its_guard_slot(monkeypatch):
+    """``slot``: raised before the epoch check and lowered after the last
+    check, whatever the outcome; the pure-Python engine refuses one."""
+    src, dst, s, d = _tables()
+    one = np.array([0], np.int64)
+    word, slot = np.array([7], np.uint64), np.array([5], np.uint64)  # 5: other copies under way
+    for seen, want in ((7, 256), (6, memcopy.STALE)):
+        assert memcopy.copy_indexed(d, one, s, one, 256, epoch=word.ctypes.data, seen=seen,
+                                    slot=slot.ctypes.data) == want
+        assert slot[0] == 5
+    # held for the copy's duration: seen from another thread while the GIL is released
+    size = 256 << 20
+    big_src, big_dst = np.full(size, 9, np.uint8), np.zeros(size, np.uint8)
+    bs, bd = np.array([big_src.ctypes.data], np.uint64), np.array([big_dst.ctypes.data], np.uint64)
+    seen_raised = []
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(memcopy.copy_indexed, bd, one, bs, one, size, slot=slot.ctypes.data, threads=1)
+        deadline = time.monotonic() + 30
+        while not fut.done() and time.monotonic() < deadline:
+            seen_raised.append(int(slot[0]))
+        assert fut.result() == size
+    assert 6 in seen_raised and slot[0] == 5
+    monkeypatch.setattr(memcopy, "_native", None)  # the pure-Python engine
+    with pytest.raises(ValueError, match="native"):
+        memcopy.copy_indexed(d, one, s, one, 256, slot=slot.ctypes.data)
 
 
 # probes the lock as the owner's drain does, until it finds it held (exit 0)

@@ -256,7 +256,7 @@ class _Peer:
         if self.epoch is not None:
             self.epoch.close()
         # same-host paths bypass the owner's server: without its epoch we could not tell stale metadata
-        self.epoch = EpochWatch.open(md.pid, md.epoch_fd, md.epoch) if self.same_host else None
+        self.epoch = EpochWatch.open(md.pid, md.epoch_fd, md.epoch, claim_slot=True) if self.same_host else None
         self.same_host = self.epoch is not None
         self.cma_ok = self.same_host
         self.failed: TransferError | None = None  # set when it dies or stops answering; cleared by fresh metadata
@@ -635,12 +635,15 @@ class HostBackend(Backend):
                 guards = self._guards(peer, rp)
                 if guards is None:
                     return None
-                try:  # (the copy holds the peer's epoch lock: its deregister waits for it)
+                try:  # (the copy is counted in our slot on the peer's epoch page, or holds its lock: its
+                    # deregister waits for it)
                     got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), self.inline_bytes, *guards)
                 except (IndexError, ValueError, TypeError, OverflowError):
                     return None  # the general path checks again and names the problem
                 try:  # (its liveness check reads the peer's pidfd: still holding the lane)
-                    if self._copied(got, op, peer, guards[2]):
+                    if got >= 0 and (peer is None or guards[2] >= 0 or guards[5]):
+                        job = _DONE  # the common case: copied, and the copy engine checked the owner lives
+                    elif self._copied(got, op, peer, guards[2]):
                         job = _DONE
                     elif got == memcopy.STALE:
                         return None  # nothing copied: the owner's server judges a stale request
@@ -653,7 +656,7 @@ class HostBackend(Backend):
             if peer is not None and self._peers.get(peer.name) is not peer:
                 return None  # a prep of a peer since removed (maybe added again): the general path looks it up
             try:
-                got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), 0, 0, 0, -1, -1)
+                got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), 0, 0, 0, -1, -1, 0, 0, 0)
             except (IndexError, ValueError, TypeError, OverflowError):
                 return None
             job = _DONE if got == 0 else None  # 0: nothing to move; else TOO_BIG, nothing copied
@@ -677,26 +680,28 @@ class HostBackend(Backend):
         self._xfers[h] = job
         return h
 
-    def _guards(self, peer: "_Peer | None", rp: _Prep) -> tuple[int, int, int, int] | None:
-        """(epoch address, seen value, pidfd, epoch lock fd) for a one-call copy
-        to ``peer``, or ``None`` if its prepped addresses no longer hold (call
-        holding its lane: one copy at a time holds the lock)."""
+    def _guards(self, peer: "_Peer | None", rp: _Prep) -> tuple | None:
+        """``copy_indexed``'s guards (epoch address, seen value, pidfd, epoch
+        lock fd, guard slot, liveness word, its id) for a one-call copy to
+        ``peer``, or ``None`` if its prepped addresses no longer hold (call
+        holding its lane: one copy at a time per watch)."""
         if peer is None:
-            return 0, 0, -1, -1
+            return 0, 0, -1, -1, 0, 0, 0
         if peer.gen != rp.gen or not peer.same_host or peer.failed is not None or self._peers.get(peer.name) is not peer:
             return None
-        return peer.epoch.address, peer.epoch.seen, -1 if peer._pidfd is None else peer._pidfd, peer.epoch.fd
+        w = peer.epoch
+        return w.address, w.seen, -1 if peer._pidfd is None else peer._pidfd, w.fd, w.slot, w.alive, w.tid
 
     @staticmethod
-    def _copy_indexed(op: Op, req: tuple, max_bytes: int, epoch: int, seen: int, pidfd: int, lock: int,
-                      threads: int = memcopy.THREADS) -> int:
+    def _copy_indexed(op: Op, req: tuple, max_bytes: int, epoch: int, seen: int, pidfd: int, lock: int, slot: int,
+                      alive: int, tid: int, threads: int = memcopy.THREADS) -> int:
         lp, li, rp, ri, ln, checked = req
         if op is Op.READ:
             return memcopy.copy_indexed(lp.addrs, li, rp.addrs, ri, ln, checked, max_bytes, epoch, seen, pidfd,
-                                        threads, lock)
+                                        threads, lock, slot, alive, tid)
         rn = ln if checked is None else rp.descs.lengths
         return memcopy.copy_indexed(rp.addrs, ri, lp.addrs, li, rn, checked, max_bytes, epoch, seen, pidfd, threads,
-                                    lock)
+                                    lock, slot, alive, tid)
 
     @staticmethod
     def _copied(got: int, op: Op, peer: "_Peer | None", pidfd: int) -> bool:
