@@ -625,9 +625,14 @@ static void *keeper_main(void *arg)
 
 static void keeper_stop(Keeper *k)
 {
-    close(k->wfd);  /* wakes the keeper (read returns 0) */
-    if (k->pid == getpid())  /* (with the GIL: the keeper never takes it, and ends at once) */
-        pthread_join(k->thread, NULL);
+    /* a byte wakes it, not the pipe's end: a forked child may hold a copy of the write end; and
+     * only its own process may wake it (a forked child's stop must not end its parent's keeper) */
+    if (k->pid == getpid()) {
+        while (write(k->wfd, "", 1) < 0 && errno == EINTR)
+            ;
+        pthread_join(k->thread, NULL);  /* (with the GIL: the keeper never takes it, and ends at once) */
+    }
+    close(k->wfd);
     close(k->rfd);
     munmap(k->page, PAGE_BYTES);
     PyMem_RawFree(k);

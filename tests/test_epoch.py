@@ -151,3 +151,28 @@ def test_the_liveness_word_holds_while_the_owner_lives_and_clears_when_it_dies()
     drop = "from kvt.epoch import Epoch\nfor _ in range(50):\n    Epoch()\nprint('ok')"
     out = subprocess.run([sys.executable, "-c", drop], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr
+    # closed while a forked child (holding copies of every fd) lives on: close returns, and the
+    # child's own close does not clear its parent's word
+    out = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr
+
+
+_FORKED = """
+import os, signal, struct, time
+from kvt.epoch import Epoch
+e = Epoch()
+child = os.fork()
+if child == 0:
+    e.close()  # the child's copy: must leave the parent's keeper and word alone
+    os._exit(0)
+os.waitpid(child, 0)
+assert struct.unpack_from("=I", e._mm, 20)[0] != 0, "a forked child's close cleared the parent's word"
+child = os.fork()
+if child == 0:
+    time.sleep(60)  # holding copies of every fd of its parent's
+    os._exit(0)
+e.close()  # hung for ever when the keeper waited for the end of a pipe the child still held
+os.kill(child, signal.SIGKILL)
+os.waitpid(child, 0)
+print("ok")
+"""
