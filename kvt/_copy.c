@@ -694,7 +694,7 @@ static PyObject *py_keep_alive(PyObject *self, PyObject *args)
     for (int i = 0; i < 250000 && !(tid = __atomic_load_n(&k->tid, __ATOMIC_ACQUIRE)); i++)
         nanosleep(&nap, NULL);  /* it starts in microseconds; 5 s bounds a stalled machine */
     Py_END_ALLOW_THREADS
-    if (tid == 0 || tid == UINT32_MAX) {  /* (not started yet: the join waits for it to find its pipe closed) */
+    if (tid == 0 || tid == UINT32_MAX) {  /* (not started yet: the join waits for it to start and wake) */
         keeper_stop(k);
         PyErr_SetString(PyExc_OSError, tid ? "kvt._copy.keep_alive: set_robust_list failed"
                                            : "kvt._copy.keep_alive: the keeper thread did not start within 5 s");
