@@ -21,6 +21,7 @@ name a ``tcp://`` endpoint.  Names are ``[A-Za-z0-9._-]``, at most 200 bytes.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import http.client
 import json
@@ -32,6 +33,7 @@ import threading
 import time
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+from weakref import WeakKeyDictionary
 
 from .errors import ConfigError, DiscoveryError, InvalidArgument, UnknownPeer
 
@@ -327,6 +329,19 @@ class EtcdStore(Store):
         self._call("/v3/lease/revoke", {"ID": lease})
 
 
+# c10d connects its caller gave up on -> c10d's own deadline for them.  A c10d
+# call that returns while the interpreter finalises kills the process (its
+# thread unwinds through C++ frames: "terminate called without an active
+# exception", SIGABRT), so exit waits for these until that deadline.
+_ABANDONED_CONNECTS: "WeakKeyDictionary[threading.Thread, float]" = WeakKeyDictionary()
+
+
+@atexit.register
+def _await_abandoned_connects() -> None:
+    for t, deadline in list(_ABANDONED_CONNECTS.items()):
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
 class TcpStore(Store):
     """torch's c10d TCPStore; records carry their expiry (it has no leases).
 
@@ -334,7 +349,9 @@ class TcpStore(Store):
     host that stops answering held ``Agent.connect`` for good), so each runs
     on a thread of its own that the caller waits for within its timeout;
     while one call has not come back, further calls fail at once (at most
-    one thread is ever left waiting on a silent store)."""
+    one thread is ever left waiting on a silent store).  Exit waits for an
+    abandoned connect until c10d gives up on it (its retries end within
+    about three timeouts), never for an abandoned call on a silent store."""
 
     def __init__(self, host: str, port: int, server: bool = False, timeout: float = 5.0):
         super().__init__()
@@ -369,11 +386,14 @@ class TcpStore(Store):
                 out["error"] = e
 
         t = threading.Thread(target=run, name="kvt-tcpstore", daemon=True)
+        started = time.monotonic()
         t.start()
         t.join(limit)
         if t.is_alive():
             with self._calls:
                 self._stuck = (t, what)
+            if what == "connecting":
+                _ABANDONED_CONNECTS[t] = started + 3 * self.timeout + 1
             raise DiscoveryError(f"{self.where} did not answer ({what}) within {limit:g}s; is it a TCPStore, "
                                  "and is its host up?")
         if "error" in out:

@@ -88,6 +88,27 @@ def test_a_store_that_never_answers_is_a_discovery_error_within_the_timeout():
         assert time.monotonic() - t0 < 30
 
 
+def _thread_states(pid: int) -> str:
+    """The state letter of each of ``pid``'s threads (``T``: stopped)."""
+    import glob
+
+    states = []
+    for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+        try:
+            states.append(open(stat).read().rpartition(")")[2].split()[0])
+        except OSError:  # the thread exited meanwhile
+            pass
+    return "".join(sorted(states))
+
+
+def _wait_stopped(pid: int, limit: float = 20.0) -> None:
+    """Until every thread of ``pid`` has stopped (SIGSTOP returns before they have)."""
+    deadline = time.monotonic() + limit
+    while set(_thread_states(pid)) - {"T", "t"}:
+        assert time.monotonic() < deadline, f"pid {pid} did not stop: {_thread_states(pid)}"
+        time.sleep(0.01)
+
+
 def test_a_store_that_stops_answering_fails_resolves_in_time_and_serves_again_after():
     import os
     import signal
@@ -103,9 +124,12 @@ def test_a_store_that_stops_answering_fails_resolves_in_time_and_serves_again_af
         client = open_store(f"tcpstore://127.0.0.1:{server.stdout.readline().strip()}")
         client.publish("p", "tcp://10.1.2.3:7", ttl=60)
         os.kill(server.pid, signal.SIGSTOP)  # the store's host hangs
+        _wait_stopped(server.pid)
         t0 = time.monotonic()
         with pytest.raises(DiscoveryError, match="within 1s"):
-            client.resolve("p", timeout=1)
+            found = client.resolve("p", timeout=1)
+            pytest.fail(f"resolved {found!r} while the store's host was stopped "
+                        f"(its threads: {_thread_states(server.pid)})")
         with pytest.raises(DiscoveryError, match="earlier call"):  # at once: no second thread left waiting
             client.resolve("p", timeout=1)
         assert time.monotonic() - t0 < 20
@@ -129,6 +153,35 @@ def test_unreachable_stores_are_typed_errors():
         open_store(f"etcd://127.0.0.1:{free_port()}").resolve("p", timeout=1)
     with pytest.raises(DiscoveryError):
         TcpStore("127.0.0.1", free_port(), timeout=1)
+
+
+def test_an_abandoned_connect_does_not_abort_the_process_at_exit(tmp_path):
+    # before: c10d gave up on the connect while the interpreter finalised, and its
+    # thread's return killed the process ("terminate called without an active exception")
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_after_refusal.py"
+    script.write_text(f"""
+import sys, time
+from kvt.discovery import TcpStore
+from kvt.errors import DiscoveryError
+
+class SlowTeardown:  # keeps the interpreter finalising until c10d's retries have ended
+    def __del__(self, sys=sys, time=time):
+        time.sleep(4)
+        sys.stderr.write("finalised\\n")
+
+keep = SlowTeardown()
+try:
+    TcpStore("127.0.0.1", {free_port()}, timeout=1)
+except DiscoveryError as e:
+    print("refused:", e)
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "refused: " in run.stdout and "did not answer" in run.stdout
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "finalised" in run.stderr
 
 
 def test_agent_connects_by_name(store):
