@@ -10,7 +10,6 @@ import json
 import mmap
 import os
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from kvt.config import load_config
 from kvt.discovery import TcpStore, _PREFIX, open_store
 from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import ConfigError, DiscoveryError, InvalidArgument, WireError
+from kvt_conformance.peer import freeze
 
 KVT_ROOT = str(Path(kvt.__file__).resolve().parent.parent)  # the kvt under test, for child processes
 
@@ -232,7 +232,7 @@ def test_a_child_that_stops_reading_cannot_block_vet(children, monkeypatch):
     monkeypatch.setattr(sandbox, "CHECK_TIMEOUT", 1.0)
     sandbox.vet(PROBE, {}, b"fine", "refused")
     (child,) = sandbox._children.values()
-    os.kill(child.proc.pid, signal.SIGSTOP)
+    freeze(child.proc.pid)  # every thread stopped: a bare SIGSTOP lets the child read on for a moment
     t0 = time.monotonic()
     with pytest.raises(WireError, match="^refused$"):
         sandbox.vet(PROBE, {}, b"x" * (4 << 20), "refused")
