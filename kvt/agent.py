@@ -332,12 +332,13 @@ class Agent:
         #: seals notifications on backends whose channels kvt does not own (nixl, ucx)
         self._notif_seal: NotifSeal | None = None
         if self.secret is not None:
-            if registry.load_backend(self.backend_name).uses_auth_key:
+            if registry.load_backend(self.backend_name, self.config.backend_source).uses_auth_key:
                 options = {**options, "auth_key": self.secret}
             else:
                 self._notif_seal = NotifSeal(self.secret, self.name)
         self.backend = registry.create_backend(self.backend_name, self.name, options,
-                                               shared=self.config.shared_options)
+                                               shared=self.config.shared_options,
+                                               chosen_by=self.config.backend_source)
         self.extra: dict[str, Any] = {}  #: published in AgentInfo (the connector's compatibility fields)
         self._layouts: dict[str, BlockLayout] = {}
         self._layout_regs: dict[str, RegHandle] = {}

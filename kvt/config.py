@@ -61,7 +61,7 @@ def check_timeout(value: Any, name: str = "timeout") -> float:
     return value
 
 
-class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, dict=True):
     """A validated kvt configuration."""
 
     #: entry-point name of the backend (``kvt backends`` lists them)
@@ -91,6 +91,18 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: ``[options]`` table, which a backend that does not read them ignores (any other
     #: key the backend does not know is a ``ConfigError``)
     shared_options: frozenset[str] = frozenset()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the __dict__ (dict=True) is for backend_source alone: a misspelt field stays an error
+        if name not in self.__struct_fields__ and name != "_backend_source":
+            raise AttributeError(f"Config has no field {name!r}; its fields: {', '.join(_FIELDS)}")
+        super().__setattr__(name, value)
+
+    @property
+    def backend_source(self) -> str:
+        """Where ``backend`` came from, for messages about it: kept beside the
+        fields (set by ``load_config``), so it is no part of equality."""
+        return self.__dict__.get("_backend_source", "Config(...)")
 
     def __post_init__(self) -> None:
         # ``Config(...)`` does not check field types (``msgspec.convert`` does): check each the way
@@ -322,8 +334,10 @@ def load_config(backend: str | None = None, options: Mapping[str, Any] | None = 
         frozenset(file_options).difference(tables.get(chosen, {}), explicit_options))
     token = _converting.set(True)  # every field was checked above
     try:
-        return msgspec.convert(values, Config)
+        config = msgspec.convert(values, Config)
     except msgspec.ValidationError as e:  # kept as a backstop
         raise ConfigError(f"invalid configuration: {e}") from e
     finally:
         _converting.reset(token)
+    config._backend_source = sources.get("backend", "the default")
+    return config

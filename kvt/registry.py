@@ -116,32 +116,33 @@ def list_backends() -> list[BackendInfo]:
     return [_info(ep) for ep in _entry_points()]
 
 
-def _not_found(name: str, installed: list[str]) -> BackendNotFound:
+def _not_found(name: str, installed: list[str], chosen_by: str | None = None) -> BackendNotFound:
     have = ", ".join(sorted(set(installed))) or "none"
+    by = f" (set by {chosen_by})" if chosen_by else ""
     if not isinstance(name, str):  # None, a number, a list...: no entry point is named by one
         shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
-        return BackendNotFound(f"a backend name must be a str such as 'host', got {type(name).__name__} {shown}. "
+        return BackendNotFound(f"a backend name must be a str such as 'host', got {type(name).__name__} {shown}{by}. "
                                f"Installed backends: {have}.")
     dist = KNOWN.get(name)
     if dist is None:
         close = difflib.get_close_matches(name, [*installed, *KNOWN], n=1)
         maybe = f" Did you mean {close[0]!r}?" if close else ""
-        return BackendNotFound(f"no kvt backend named {name!r}.{maybe} Installed backends: {have}. "
+        return BackendNotFound(f"no kvt backend named {name!r}{by}.{maybe} Installed backends: {have}. "
                                f"A backend is a distribution declaring a {GROUP!r} entry point.")
     try:
         version = md.version(dist)
     except md.PackageNotFoundError:
-        return BackendNotFound(f"backend {name!r} is not installed; install the {dist!r} package "
+        return BackendNotFound(f"backend {name!r}{by} is not installed; install the {dist!r} package "
                                f"(`{install_hint(name)}` from a kvt checkout). Installed backends: {have}.")
     return BackendNotFound(f"{dist} {version} is installed but declares no {GROUP!r} entry point {name!r}; "
                            f"reinstall it (`{install_hint(name)}`). Installed backends: {have}.")
 
 
-def _find(name: str) -> BackendInfo:
+def _find(name: str, chosen_by: str | None = None) -> BackendInfo:
     eps = _entry_points()
     mine = [ep for ep in eps if ep.name == name]
     if not mine:
-        raise _not_found(name, [ep.name for ep in eps])
+        raise _not_found(name, [ep.name for ep in eps], chosen_by)
     if len(mine) > 1:
         who = ", ".join(f"{i.dist} {i.version} ({i.value})" for i in map(_info, mine))
         raise BackendLoadError(f"backend name {name!r} is declared by several distributions: {who}; "
@@ -196,9 +197,11 @@ def _naming_others(err: KvtError, name: str) -> KvtError:
     return out
 
 
-def load_backend(name: str) -> type[Backend]:
-    """Import backend ``name`` and return its class (not an instance)."""
-    info = _find(name)
+def load_backend(name: str, chosen_by: str | None = None) -> type[Backend]:
+    """Import backend ``name`` and return its class (not an instance).
+    ``chosen_by``: where the name came from (``Config.backend_source``), for
+    the message when no backend has it."""
+    info = _find(name, chosen_by)
     try:
         return _load(info)
     except BackendLoadError as e:
@@ -272,15 +275,16 @@ def own_options(name: str, options: Mapping[str, Any], shared: Collection[str] =
 
 
 def create_backend(name: str, agent_name: str, options: Mapping[str, Any] | None = None,
-                   shared: Collection[str] = ()) -> Backend:
+                   shared: Collection[str] = (), chosen_by: str | None = None) -> Backend:
     """Load backend ``name`` and construct it for agent ``agent_name``.
 
     Keys of ``options`` the backend does not declare (``option_names``) are
     a ``ConfigError``, except those named in ``shared`` (they came from a
     table that serves every backend), which are dropped.  Raises
     ``BackendUnavailable`` with the reason when the backend cannot run on
-    this machine or its constructor fails with a non-kvt error."""
-    cls = load_backend(name)
+    this machine or its constructor fails with a non-kvt error; ``chosen_by``
+    as for ``load_backend``."""
+    cls = load_backend(name, chosen_by)
     if options is not None and not isinstance(options, Mapping):
         raise ConfigError(f"options for backend {name!r} must be a mapping of option names to values, "
                           f"got {type(options).__name__}")

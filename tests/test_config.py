@@ -44,6 +44,14 @@ def test_defaults():
                        listen_port=0, handshake_timeout=5.0, transfer_timeout=30.0)
 
 
+def test_where_the_backend_came_from_is_kept_beside_the_fields():
+    a, b = load_config(env={"KVT_BACKEND": "host"}), load_config(backend="host", env={})
+    assert (a.backend_source, b.backend_source) == ("environment variable KVT_BACKEND", "load_config() arguments")
+    assert a == b and a.shown() == b.shown()  # the same settings: equal
+    with pytest.raises(AttributeError, match="no field 'transfer_timout'"):
+        a.transfer_timout = 3  # a misspelt field is still an error, not a new attribute
+
+
 def test_file_from_kvt_config(toml):
     c = load_config(env={"KVT_CONFIG": str(toml())})
     assert (c.backend, c.name, c.listen_port, c.transfer_timeout) == ("fromfile", "prefill-0", 7000, 12.0)

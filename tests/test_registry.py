@@ -6,6 +6,7 @@ mode; putting the directory on sys.path makes importlib.metadata (and so
 stevedore) discover it exactly as an installed plugin.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -69,6 +70,21 @@ def test_unknown_name_lists_installed_backends(fake_plugins):
     installed = msg.split("Installed backends: ")[1].split(".")[0].split(", ")
     assert {"broken", "fake", "host", "unusable"} <= set(installed) and installed == sorted(installed)
     assert isinstance(e.value, LookupError)
+
+
+def test_an_unknown_name_says_where_it_was_set(tmp_path):
+    # before: the same message whether the name came from KVT_BACKEND, a file or code
+    from kvt import Agent, Config, load_config
+
+    conf = tmp_path / "kvt.toml"
+    conf.write_text('backend = "hots"\n')
+    for config, source in ((load_config(env={"KVT_BACKEND": "hots"}), "environment variable KVT_BACKEND"),
+                           (load_config(env={"KVT_CONFIG": str(conf)}), f"{conf} (from KVT_CONFIG)"),
+                           (load_config(backend="hots", env={}), "load_config() arguments"),
+                           (Config(backend="hots"), "Config(...)")):
+        with pytest.raises(BackendNotFound, match=rf"^no kvt backend named 'hots' \(set by {re.escape(source)}\)\. "
+                                                  "Did you mean 'host'"):
+            Agent("a", config=config)
 
 
 def test_known_but_not_installed_names_the_package(monkeypatch):

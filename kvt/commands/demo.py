@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     config = config_from_args(args)
     backend = config.backend
+    cls = load_backend(backend, config.backend_source)
     options = own_options(backend, config.options, config.shared_options)  # a typo refused before any child starts
-    if not load_backend(backend).capabilities.remote:  # the demo's two sides are two processes
+    if not cls.capabilities.remote:  # the demo's two sides are two processes
         raise BackendUnavailable(f"backend {backend!r} declares remote=False (it reaches agents of its own process "
                                  "only); kvt demo moves blocks between two processes: choose another --backend")
     if args.engine:
