@@ -21,6 +21,7 @@ from typing import Sequence
 
 from . import __version__
 from .errors import KvtError
+from .logs import log_to_stderr
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -115,6 +116,7 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        log_to_stderr()
         return int(func(args) or 0)
     except KvtError as e:
         print(f"kvt: error: {e}", file=sys.stderr)

@@ -11,6 +11,9 @@ import ctypes
 import os
 import signal
 
+from .errors import ConfigError
+from .logs import log_to_stderr
+
 __all__ = ["host_id", "start_time", "child_of", "die_with_parent"]
 
 
@@ -39,11 +42,16 @@ _PR_SET_PDEATHSIG = 1
 
 def child_of(parent: int) -> None:
     """First thing in a tool's child process: it dies with ``parent``
-    (``die_with_parent``) and leaves Ctrl-C to it.  A terminal sends SIGINT
-    to the whole process group; the parent stops its children itself, so a
-    child interrupted too would only print a traceback on the way."""
+    (``die_with_parent``), leaves Ctrl-C to it, and logs as the tool does
+    (``kvt.logs``).  A terminal sends SIGINT to the whole process group; the
+    parent stops its children itself, so a child interrupted too would only
+    print a traceback on the way."""
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        log_to_stderr()
+    except ConfigError:  # the parent reported it (or is a library caller, whose logging is its own)
+        pass
 
 
 def die_with_parent(parent: int) -> None:
