@@ -80,9 +80,38 @@ def test_backends_table(fake_plugins, capsys):
     assert "broken is not usable: backend 'broken'" in out
 
 
+@pytest.mark.parametrize("env, says", [
+    ({}, "configured: host (the default); choose another with KVT_BACKEND=NAME"),
+    ({"KVT_BACKEND": "fake"}, "configured: fake (environment variable KVT_BACKEND); "),
+    ({"KVT_BACKEND": "unusable"}, "configured: unusable (environment variable KVT_BACKEND, not usable here); "),
+    ({"KVT_BACKEND": "hots"}, "configured: hots (environment variable KVT_BACKEND, not installed); "),
+    ({"KVT_INTEGRITY": "tru"}, "configured: none: environment variable KVT_INTEGRITY='tru' is neither"),
+])
+def test_backends_says_which_backend_an_agent_here_would_use(fake_plugins, capsys, monkeypatch, env, says):
+    for var in ("KVT_BACKEND", "KVT_CONFIG", "KVT_INTEGRITY"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert cli.main(["backends"]) == 0
+    assert says in capsys.readouterr().out
+
+
 def test_backends_named_subset(fake_plugins, capsys):
     assert cli.main(["backends", "--json", "fake", "unusable"]) == 0
     assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["fake", "unusable"]
+
+
+def test_piped_output_keeps_every_line_whole():
+    # before: a pipe got rich's 80 columns: "owner check" cut to "owne", cells folded over lines
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "KVT_BACKEND", "KVT_CONFIG")}
+    r = subprocess.run([str(KVT), "backends", "host"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("name"))
+    assert header.rstrip().endswith("owner check")
+    (host,) = [line for line in lines if line.lstrip().startswith("host ")]
+    assert "local, remote, cross-host" in host and host.rstrip().endswith("server")
+    assert any(line.startswith("shared segments: ") and line.endswith(")") for line in lines)
 
 
 def test_unknown_backend_exits_2_with_message_not_traceback():

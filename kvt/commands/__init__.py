@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,16 @@ def config_from_args(args: argparse.Namespace, shared: bool = False, **overrides
     options = dict(parse_option(o) for o in args.options) or None
     return load_config(args.backend, options, path=args.config, shared=shared,
                        origin="the command line (-o/--option, --backend)", **overrides)
+
+
+def report_console() -> Any:
+    """The rich console a command prints its report on: a terminal's width, or
+    for a pipe or a file (unless ``COLUMNS`` is set) lines as long as they
+    need, so that a reader such as ``grep`` gets every row whole."""
+    from rich.console import Console
+
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    return Console(width=1 << 16, soft_wrap=True) if piped else Console()
 
 
 def check_seconds(value: float | None, flag: str, limit: float = MAX_SECONDS) -> None:

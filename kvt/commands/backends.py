@@ -13,14 +13,14 @@ from typing import Any
 
 import msgspec
 from rich import box
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from .. import memcopy, memory, registry
-from ..errors import BackendLoadError
+from ..config import load_config
+from ..errors import BackendLoadError, ConfigError
 from ..types import Availability, Capabilities, MemKind, Op
-from . import check_seconds
+from . import check_seconds, report_console
 
 __all__ = ["register", "run", "statuses", "as_json"]
 
@@ -102,7 +102,7 @@ def _table(rows: list[registry.BackendStatus]) -> Table:
 
 
 def _print_table(rows: list[registry.BackendStatus], show_missing: bool) -> None:
-    console = Console()
+    console = report_console()
     console.print(_table(rows))
     reasons = dict.fromkeys((s.info.name, s.availability.reason) for s in rows if not s.usable)
     for name, reason in reasons:
@@ -112,11 +112,28 @@ def _print_table(rows: list[registry.BackendStatus], show_missing: bool) -> None
                                 f"{memcopy.THREADS} threads per large request, {memcopy.BACKGROUND_THREADS} "
                                 "off the posting thread"))
     console.print(Text.assemble(("shared segments: ", "bold"), f"{kind} pages ({why})"))
+    console.print(Text.assemble(("configured: ", "bold"), _configured(rows)))
     installed = {s.info.name for s in rows}
     missing = [f"{n} ({d})" for n, d in registry.KNOWN.items() if n not in installed]
     if show_missing and missing:
         console.print(Text(f"Not installed: {', '.join(missing)}; install with "
                            f"`{registry.install_hint('NAME')}` from a kvt checkout.", style="dim"))
+
+
+def _configured(rows: list[registry.BackendStatus]) -> str:
+    """Which backend an agent started here would use, and why (KVT_BACKEND, KVT_CONFIG, the default)."""
+    try:
+        config = load_config()
+    except ConfigError as e:
+        return f"none: {e}"
+    usable = {s.info.name: s.usable for s in rows}
+    if config.backend in usable:
+        verdict = "" if usable[config.backend] else ", not usable here"
+    else:
+        installed = config.backend in {i.name for i in registry.list_backends()}
+        verdict = ", not listed above" if installed else ", not installed"
+    return (f"{config.backend} ({config.backend_source}{verdict}); choose another with KVT_BACKEND=NAME, "
+            "backend = \"NAME\" in the KVT_CONFIG file, or --backend")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 import time
 from typing import Any
@@ -24,7 +23,8 @@ from rich.text import Text
 
 from .. import registry
 from ..errors import BackendNotFound, InvalidArgument, KvtError
-from . import add_config_arguments, check_seconds, check_writable, config_from_args, format_bytes, physical_memory
+from . import (add_config_arguments, check_seconds, check_writable, config_from_args, format_bytes, physical_memory,
+               report_console)
 
 __all__ = ["register", "run", "engine_specs"]
 
@@ -231,8 +231,7 @@ def run(args: argparse.Namespace) -> int:
     outcomes = _run_all(specs, plan, rounds, not args.no_progress)
     engines = [o.spec.name for o in outcomes if o.rows]  # skipped and failed engines get no column
     rows = report.ordered(add_ratios(merge_rounds(r for o in outcomes for r in o.rows)), plan, engines)
-    # a pipe or file gets the whole table, not one squeezed to 80 columns
-    console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
+    console = report_console()  # a pipe or file gets the whole table, not one squeezed to 80 columns
     how = "cold" if args.cold is not None else "rotating"
     blocks = f", {how} over {format_size(plan.rotate)}" if plan.rotate else ", the same blocks every iteration"
     console.print(report.table(rows, title=f"kvt bench ({'quick' if args.quick else 'full'} sweep, "

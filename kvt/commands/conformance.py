@@ -35,7 +35,7 @@ from rich.text import Text
 from .. import registry
 from ..config import load_config
 from ..errors import BackendUnavailable, InvalidArgument, KvtError, KvtTimeoutError
-from . import check_seconds, check_writable, parse_option
+from . import check_seconds, check_writable, parse_option, report_console
 
 #: pytest's exit code when no test was collected (a -k that matched nothing)
 _NO_TESTS = 5
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             raise KvtError(f"pytest exited with code {proc.returncode} before writing its report "
                            f"(command: {' '.join(cmd)})")
         data = json.loads(report.read_text())
-    render(data, Console())
+    render(data, report_console())
     if proc.returncode == _NO_TESTS:
         print(f"kvt conformance: no test ran: nothing matched{f' -k {args.keyword!r}' if args.keyword else ''}; "
               "a run that tests nothing proves nothing, so it fails (see the test names with "
