@@ -164,10 +164,7 @@ _PROC = XferState.PROC.status
 #: transfer failures that mean the peer may have gone (and may come back as a new process)
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
 _RECOVER_TIMEOUT = 2.0  # seconds spent asking a lost peer for new metadata
-# seconds before the next such attempt on a peer that stays lost, doubling up to the last: a host
-# that is down (no RST) costs each attempt its whole timeout, inline in a post or a wait
-_RECOVER_FIRST, _RECOVER_MAX = 0.1, 10.0
-_NOT_LOST = (math.inf, 0.0)
+_RECOVER_EVERY = 0.1    # seconds between such attempts on a peer that stays lost (bounds the store load)
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,8 +349,7 @@ class Agent:
         # what wait_notif received while looking for another message, bounded as a backend's inbox
         self._pending = Inbox()
         self._reach: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
-        # peer -> (when recovering it may be tried again, the wait after that): it is still gone
-        self._lost: dict[str, tuple[float, float]] = {}
+        self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
         self._moved: dict[str, str] = {}  # peer -> why it is gone for good (its route leads to another agent)
         self._discovery = None
         self._lock = threading.RLock()
@@ -573,11 +569,6 @@ class Agent:
             return old is None or old.metadata != info.metadata or old.layouts != info.layouts
 
     def _recover(self, peer: str) -> None:
-        """Reconnect a lost ``peer`` unless the last attempt failed too
-        recently (the wait doubles with each failure, up to ``_RECOVER_MAX``)."""
-        due, after = self._lost.get(peer, _NOT_LOST)
-        if due != math.inf and time.monotonic() < due:
-            return
         if peer in self._reach and peer not in self._moved and not self._closed:
             try:
                 self.reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT))
@@ -585,8 +576,7 @@ class Agent:
             except KvtError as e:  # still gone: the caller sees the transfer's own error
                 with self._peer_lock(peer):
                     if peer in self._reach:  # (not if it was removed meanwhile)
-                        wait = min(2 * after, _RECOVER_MAX) if after else _RECOVER_FIRST
-                        self._lost[peer] = (time.monotonic() + wait, wait)
+                        self._lost[peer] = time.monotonic()
                         if isinstance(e, IncompatiblePeer):  # gone for good: no more attempts
                             self._moved[peer] = str(e)
 
@@ -677,7 +667,7 @@ class Agent:
             self._reap()
         if self._lost and type(peer) is str:
             self._check_moved(peer)
-            if time.monotonic() >= self._lost.get(peer, _NOT_LOST)[0]:  # (popped meanwhile: never)
+            if time.monotonic() - self._lost.get(peer, math.inf) >= _RECOVER_EVERY:  # (popped meanwhile: inf)
                 self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
                 self._check_moved(peer)
         rname = remote_layout or layout

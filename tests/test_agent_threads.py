@@ -128,39 +128,9 @@ def test_a_lost_peer_recovered_meanwhile_is_no_key_error(pair):
             self.pop(key, None)
             return found
 
-    a._lost = PoppedMeanwhile({name: (time.monotonic() - 1, 0.1)})
+    a._lost = PoppedMeanwhile({name: time.monotonic() - 1})
     with a.read_blocks(name, [0], [1]) as x:
         x.wait(5)
-
-
-def test_a_peer_that_stays_lost_is_tried_again_less_and_less_often(pair, monkeypatch):
-    """Every post to a lost peer tried to reconnect it 0.1 s after the last
-    failure: a host that is down (no RST) costs each try its whole handshake
-    timeout, inline in the engine's post, for as long as it stays down."""
-    from types import SimpleNamespace
-
-    from kvt import agent as agent_module
-    from kvt.errors import HandshakeError
-
-    a, b, _ = pair
-    name = a.connect(b.listen())
-    now, tries = [1000.0], []
-
-    def down(route, timeout, probe=False):
-        tries.append(now[0])
-        raise HandshakeError(f"{route} did not answer (a host that is down)")
-
-    monkeypatch.setattr(a, "_fetch", down)
-    monkeypatch.setattr(agent_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    while now[0] < 1060:
-        a._recover(name)  # what each post (and each failed wait) to that peer does
-        now[0] += 0.05
-    gaps = np.diff(tries)
-    assert np.allclose(gaps[:7], [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4], atol=0.051), gaps
-    assert gaps.max() <= agent_module._RECOVER_MAX + 0.051 and len(tries) < 20, gaps
-    monkeypatch.undo()
-    a.reconnect(name)  # back: the next loss starts again at the first wait
-    assert name not in a._lost
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["fresh-route", "cached-route"])
