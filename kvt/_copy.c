@@ -3,8 +3,8 @@
  * The GIL is released for the whole copy.  Address arrays may be strided
  * (a column of a (n, 2) or (n, 3) row array needs no copy); lengths are an
  * array or one int for uniform blocks.  Runs contiguous on both sides merge
- * into one memmove.  Large requests are cut into 1 MiB pieces that the
- * caller and parked helper threads claim in turn.
+ * into one memmove.  Large requests are cut into pieces (up to 1 MiB) that
+ * the caller and parked helper threads claim in turn.
  * Callers (kvt/memcopy.py) vouch that every address is mapped: this module
  * checks shapes and types, not memory; but it refuses (ValueError) a row
  * whose address + length wraps past 2**64, which no mapping can hold.
@@ -33,6 +33,14 @@
 #include <unistd.h>
 
 #define MAX_THREADS 16
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
 
 typedef struct {
     const char *dst, *src, *len;           /* NULL len: every row is ulen bytes */
@@ -103,8 +111,17 @@ static void copy_all(const Plan *p)
    one at a time, so a thread that starts late (waking one costs tens of
    microseconds on a VM) only copies fewer pieces instead of holding up the end.
    The helpers are started once and then parked: creating a thread per request
-   cost 60-100 us in an engine process with large mappings. */
+   cost 60-100 us in an engine process with large mappings.  A request is cut
+   into about four pieces per thread, of 64 KiB to 1 MiB. */
 #define CHUNK ((uint64_t)1 << 20)
+#define MIN_CHUNK ((uint64_t)64 << 10)
+
+static uint64_t mono_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
 
 typedef struct {
     uint64_t d, s, l;
@@ -112,7 +129,8 @@ typedef struct {
 
 typedef struct {
     const Piece *pieces;
-    size_t n, next; /* next: claimed with an atomic add */
+    const size_t *units;  /* unit u is pieces units[u] .. units[u + 1] - 1: about one chunk of bytes */
+    size_t n, next;       /* n units; next: claimed with an atomic add (one claim per chunk, not per row) */
 } Work;
 
 static void *drain(void *arg)
@@ -120,7 +138,8 @@ static void *drain(void *arg)
     Work *w = arg;
     size_t i;
     while ((i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED)) < w->n)
-        memmove((void *)(uintptr_t)w->pieces[i].d, (const void *)(uintptr_t)w->pieces[i].s, (size_t)w->pieces[i].l);
+        for (size_t j = w->units[i]; j < w->units[i + 1]; j++)
+            memmove((void *)(uintptr_t)w->pieces[j].d, (const void *)(uintptr_t)w->pieces[j].s, (size_t)w->pieces[j].l);
     return NULL;
 }
 
@@ -128,20 +147,57 @@ static void *drain(void *arg)
    request that finds them busy drains its pieces alone.  `want` closes the
    request to helpers that wake after its caller finished; `active` counts
    those still draining it, which the caller waits for (its pieces live on
-   its stack). */
+   its stack).
+   Waking a parked helper costs tens of microseconds on a VM, as much as
+   copying 1 MiB.  So a request under WAKE_WORTH is split only when it comes
+   back to back (the previous request of at least the split size ended less
+   than `spin_ns` before it started), and then a helper that finishes its
+   part watches for the next request for up to `spin_ns` before parking.
+   Isolated requests (an engine's step every few ms) never spin, and under
+   WAKE_WORTH the posting thread copies them alone. */
+#define WAKE_WORTH ((uint64_t)16 << 20)
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t go, idle;
     Work *work;
     unsigned long gen;     /* bumped per request: a helper takes each at most once */
     int want, taken, active, started;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0, 0};
+    int spin;              /* this request came back to back: helpers spin after it */
+    uint64_t spin_ns, finished_ns;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0, 0,
+          0, 0, 0};
+
+/* The previous request of at least the split size ended less than spin_ns ago
+   (read unlocked: a heuristic, a stale answer costs a wake or a helper). */
+static int back_to_back(void)
+{
+    uint64_t ns = __atomic_load_n(&pool.spin_ns, __ATOMIC_RELAXED);
+    uint64_t end = __atomic_load_n(&pool.finished_ns, __ATOMIC_RELAXED);
+    return ns && end && mono_ns() - end <= ns;
+}
+
+/* Up to spin_ns for the generation to move on from `seen` (called unlocked). */
+static void spin_for_next(unsigned long seen, uint64_t spin_ns)
+{
+    uint64_t end = mono_ns() + spin_ns;
+    for (unsigned k = 1; __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE) == seen; k++) {
+        CPU_RELAX();
+        if (k % 64 == 0 && mono_ns() > end)
+            return;
+    }
+}
 
 static void *helper(void *arg)
 {
     unsigned long seen = (unsigned long)(uintptr_t)arg; /* the generation before the request that started it */
     pthread_mutex_lock(&pool.mu);
     for (;;) {
+        if (pool.spin && pool.gen == seen) {
+            uint64_t ns = pool.spin_ns;
+            pthread_mutex_unlock(&pool.mu);
+            spin_for_next(seen, ns);
+            pthread_mutex_lock(&pool.mu);
+        }
         while (pool.gen == seen)
             pthread_cond_wait(&pool.go, &pool.mu);
         seen = pool.gen;
@@ -149,11 +205,12 @@ static void *helper(void *arg)
             continue;
         Work *w = pool.work;
         pool.taken++;
-        pool.active++;
+        __atomic_store_n(&pool.active, pool.active + 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&pool.mu);
         drain(w);
         pthread_mutex_lock(&pool.mu);
-        if (--pool.active == 0)
+        __atomic_store_n(&pool.active, pool.active - 1, __ATOMIC_RELEASE); /* the caller may spin on it */
+        if (pool.active == 0)
             pthread_cond_signal(&pool.idle);
     }
     return NULL;
@@ -166,7 +223,8 @@ static void pool_after_fork(void)
     pthread_cond_init(&pool.go, NULL);
     pthread_cond_init(&pool.idle, NULL);
     pool.work = NULL;
-    pool.want = pool.taken = pool.active = pool.started = 0;
+    pool.want = pool.taken = pool.active = pool.started = pool.spin = 0;
+    pool.finished_ns = 0;
 }
 
 /* Hand `w` to up to `helpers` parked threads (starting them on first use);
@@ -192,7 +250,8 @@ static int pool_start(Work *w, int helpers)
     pool.work = w;
     pool.want = helpers;
     pool.taken = 0;
-    pool.gen++;
+    pool.spin = back_to_back();
+    __atomic_store_n(&pool.gen, pool.gen + 1, __ATOMIC_RELEASE); /* spinning helpers read it unlocked */
     pthread_cond_broadcast(&pool.go);
     pthread_mutex_unlock(&pool.mu);
     return 1;
@@ -203,15 +262,32 @@ static void pool_finish(void)
 {
     pthread_mutex_lock(&pool.mu);
     pool.want = 0;
+    if (pool.active > 0) {
+        /* a helper is finishing its last piece: watch for it rather than park,
+           since being woken costs more than a piece takes to copy */
+        uint64_t ns = pool.spin_ns;
+        pthread_mutex_unlock(&pool.mu);
+        uint64_t end = mono_ns() + ns;
+        for (unsigned k = 1; ns && __atomic_load_n(&pool.active, __ATOMIC_ACQUIRE) > 0; k++) {
+            CPU_RELAX();
+            if (k % 64 == 0 && mono_ns() > end)
+                break;
+        }
+        pthread_mutex_lock(&pool.mu);
+    }
     while (pool.active > 0)
         pthread_cond_wait(&pool.idle, &pool.mu);
     pool.work = NULL;
+    __atomic_store_n(&pool.finished_ns, mono_ns(), __ATOMIC_RELAXED);
     pthread_mutex_unlock(&pool.mu);
 }
 
 static void copy_split(const Plan *p, uint64_t total, int threads)
 {
-    Piece *pc = malloc(sizeof(*pc) * ((size_t)p->n + total / CHUNK + 1));
+    uint64_t chunk = total / ((uint64_t)threads * 4);
+    chunk = chunk < MIN_CHUNK ? MIN_CHUNK : chunk > CHUNK ? CHUNK : (chunk + 4095) & ~(uint64_t)4095;
+    size_t cap = (size_t)p->n + total / chunk + 1;
+    Piece *pc = malloc((sizeof(Piece) + sizeof(size_t)) * cap + sizeof(size_t));
     if (pc == NULL) {
         copy_all(p);
         return;
@@ -224,10 +300,20 @@ static void copy_split(const Plan *p, uint64_t total, int threads)
                 break;
             l += row_len(p, i);
         }
-        for (uint64_t off = 0; off < l; off += CHUNK)
-            pc[m++] = (Piece){d + off, s + off, l - off < CHUNK ? l - off : CHUNK};
+        for (uint64_t off = 0; off < l; off += chunk)
+            pc[m++] = (Piece){d + off, s + off, l - off < chunk ? l - off : chunk};
     }
-    Work w = {pc, m, 0};
+    size_t *units = (size_t *)(pc + cap), nu = 0;
+    uint64_t acc = 0;
+    for (size_t j = 0; j < m; j++) { /* short rows grouped: a unit closes once it holds a chunk */
+        if (acc == 0)
+            units[nu++] = j;
+        acc += pc[j].l;
+        if (acc >= chunk)
+            acc = 0;
+    }
+    units[nu] = m;
+    Work w = {pc, units, nu, 0};
     int helped = pool_start(&w, threads - 1);
     drain(&w);
     if (helped)
@@ -239,10 +325,14 @@ static void run(const Plan *p, uint64_t total, int threads, uint64_t split)
 {
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
-    if (threads > 1 && total >= split && total >= (uint64_t)threads * 65536)
+    int splittable = threads > 1 && total >= split && total >= (uint64_t)threads * 65536;
+    if (splittable && (total >= WAKE_WORTH || back_to_back())) {
         copy_split(p, total, threads);
-    else
+    } else {
         copy_all(p);
+        if (splittable) /* the next one may come back to back */
+            __atomic_store_n(&pool.finished_ns, mono_ns(), __ATOMIC_RELAXED);
+    }
 }
 
 /* A 1-D buffer of 8-byte unsigned ints (strides allowed). */
@@ -729,7 +819,24 @@ static PyObject *py_stop_alive(PyObject *self, PyObject *capsule)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(set_spin_doc,
+"set_spin(ns) -> None\n\n"
+"How long a copy helper watches for the next of back-to-back split requests\n"
+"before parking (0: it parks at once).");
+
+static PyObject *py_set_spin(PyObject *self, PyObject *arg)
+{
+    unsigned long long ns = PyLong_AsUnsignedLongLong(arg);
+    if (ns == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&pool.mu);
+    __atomic_store_n(&pool.spin_ns, ns, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&pool.mu);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"set_spin", py_set_spin, METH_O, set_spin_doc},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_VARARGS | METH_KEYWORDS, copy_doc},
     {"copy_indexed", (PyCFunction)(void (*)(void))py_copy_indexed, METH_VARARGS | METH_KEYWORDS, copy_indexed_doc},
     {"atomic_add", py_atomic_add, METH_VARARGS, atomic_add_doc},

@@ -18,7 +18,12 @@ wrong address crashes the process, as a wrong pointer does in C.
 
 Tuning (environment): ``KVT_COPY_THREADS`` (threads for one large request;
 default ``min(4, cpus)``), ``KVT_COPY_SPLIT_MIB`` (smallest request split
-across threads; default 16).  A copy that runs in the background, on a
+across threads; default 1; under ``WAKE_WORTH``, 16 MiB, only requests that
+come back to back), ``KVT_COPY_SPIN_US`` (how long a helper thread watches
+for the next of back-to-back split requests before parking; default 100, 0
+parks at once and splits only from ``WAKE_WORTH``: waking a parked thread
+costs about as much as copying 1 MiB on a VM, so isolated requests are
+copied by the posting thread alone and never spin).  A copy that runs in the background, on a
 backend's worker while the thread that posted it goes on (polling, or
 computing), gets ``BACKGROUND_THREADS``: one CPU fewer, so it does not fight
 that thread for the machine (on 2 CPUs: 0.95-0.99x memcpy with one thread
@@ -76,7 +81,13 @@ def _env_number(name: str, default: float, lo: float, hi: float) -> float:
 THREADS = int(_env_number("KVT_COPY_THREADS", min(4, _CPUS), 1, MAX_THREADS))
 #: threads for a copy on a worker thread, beside the still-running thread that posted it
 BACKGROUND_THREADS = max(1, min(THREADS, _CPUS - 1))
-SPLIT_BYTES = int(_env_number("KVT_COPY_SPLIT_MIB", 16, 0, 1 << 40) * (1 << 20))
+SPLIT_BYTES = int(_env_number("KVT_COPY_SPLIT_MIB", 1, 0, 1 << 40) * (1 << 20))
+#: the native engine splits a request under this size only when it comes back to back with the
+#: previous one (its helpers are then awake); from this size on, waking one is worth it (_copy.c)
+WAKE_WORTH = 16 << 20
+SPIN_US = _env_number("KVT_COPY_SPIN_US", 100, 0, 10_000)
+if _native is not None:
+    _native.set_spin(int(SPIN_US * 1000))
 
 _IOV_MAX = 1024
 _BIG = 16 * 1024  # fallback: rows at least this long go to memmove (user-space memcpy beats the kernel copy)

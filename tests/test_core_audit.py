@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import mmap
 import os
 import resource
 import socket
@@ -18,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import kvt
@@ -327,7 +325,8 @@ def test_copy_indexed_totals_past_2_63_are_not_read_as_outcomes(engine):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("var,value", [("KVT_COPY_THREADS", "99999999999"), ("KVT_COPY_THREADS", "many"),
                                        ("KVT_COPY_THREADS", "nan"), ("KVT_COPY_SPLIT_MIB", "nan"),
-                                       ("KVT_COPY_SPLIT_MIB", "inf")])
+                                       ("KVT_COPY_SPLIT_MIB", "inf"), ("KVT_COPY_SPIN_US", "nan"),
+                                       ("KVT_COPY_SPIN_US", "-5"), ("KVT_COPY_SPIN_US", "1e30")])
 def test_hostile_tuning_variables_do_not_break_import_or_copies(var, value):
     # were ValueError / OverflowError at import, or OverflowError from every native copy
     r = run_py("""
@@ -335,7 +334,7 @@ def test_hostile_tuning_variables_do_not_break_import_or_copies(var, value):
         from kvt import memcopy
         a = np.zeros(1 << 20, np.uint8); b = np.ones(1 << 20, np.uint8)
         memcopy.copy(np.array([a.ctypes.data], np.uint64), np.array([b.ctypes.data], np.uint64), 1 << 20)
-        assert 1 <= memcopy.THREADS <= 16 and memcopy.SPLIT_BYTES >= 0
+        assert 1 <= memcopy.THREADS <= 16 and memcopy.SPLIT_BYTES >= 0 and 0 <= memcopy.SPIN_US <= 10_000
         print("ok" if a.all() else "wrong")
     """, **{var: value})
     assert r.returncode == 0 and r.stdout.split()[-1] == "ok", r.stderr[-500:]

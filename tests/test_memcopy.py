@@ -16,6 +16,7 @@ import pytest
 from kvt import memcopy
 
 ENGINES = ["python"] + (["native"] if memcopy._native is not None else [])
+_ALWAYS_SPLIT = max(memcopy.SPLIT_BYTES, memcopy.WAKE_WORTH)  # split even when no request came just before
 
 
 def _run(engine: str, dst, src, lengths, threads: int = 1, split: int = 0) -> None:
@@ -159,7 +160,7 @@ def test_indexed_split_across_threads_lands_every_byte(threads, shape):
     (the host backend's worker passes ``BACKGROUND_THREADS``, one fewer than
     the CPUs): scattered blocks, or blocks that merge into one run of many pieces."""
     block = 64 << 10
-    n = memcopy.SPLIT_BYTES // block + 8  # over the split size
+    n = _ALWAYS_SPLIT // block + 8  # over the split size, alone too
     src, dst, s, d = _tables(n, block)
     di = np.arange(n, dtype=np.int64)
     si = np.random.default_rng(3).permutation(n).astype(np.int64) if shape == "scattered" else di
@@ -167,11 +168,46 @@ def test_indexed_split_across_threads_lands_every_byte(threads, shape):
     assert np.array_equal(dst.reshape(n, block), src.reshape(n, block)[si])
 
 
+@pytest.mark.skipif(memcopy._native is None, reason="the copy helpers are the native engine's")
+@pytest.mark.parametrize("spin_us", [0, 100, 5000])
+def test_back_to_back_split_copies_land_every_byte(spin_us):
+    """Bursts of requests one right after another, as an engine posts layer
+    by layer: under ``WAKE_WORTH`` only these are split, and helpers watch
+    for the next request (``KVT_COPY_SPIN_US``), or park at once (0), or
+    time out between bursts.  Short scattered rows are claimed a chunk's
+    worth at a time; a long run is cut into chunks; each request lands whole
+    and nothing else is touched."""
+    block, n = 16 << 10, 2 * memcopy.SPLIT_BYTES // (16 << 10) + 3
+    src, _, s, _ = _tables(n, block)
+    outs = [_tables(n, block)[1::2] for _ in range(8)]  # (dst, its address table) per request of a burst
+    rng = np.random.default_rng(7)
+    memcopy._native.set_spin(spin_us * 1000)
+    try:
+        for burst in range(40):
+            reqs = []
+            for dst, d in outs:
+                dst[:] = 0
+                k = int(rng.integers(memcopy.SPLIT_BYTES // block, n + 1))  # at least the split size
+                di = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+                si = di if len(reqs) % 3 == 0 else rng.permutation(n)[:k].astype(np.int64)  # a run, or scattered
+                reqs.append((dst, d, di, si))
+            got = [memcopy.copy_indexed(d, di, s, si, block, threads=2) for _, d, di, si in reqs]  # back to back
+            for (dst, _, di, si), moved in zip(reqs, got):
+                assert moved == len(di) * block
+                rows = dst.reshape(n, block)
+                assert np.array_equal(rows[di], src.reshape(n, block)[si]), f"burst {burst}"
+                assert not np.delete(rows, di, axis=0).any(), f"burst {burst} wrote outside its rows"
+            if burst % 10 == 9:
+                time.sleep(0.01)  # past any spin: the helpers park, and are woken for the next burst
+    finally:
+        memcopy._native.set_spin(int(memcopy.SPIN_US * 1000))
+
+
 def test_split_copies_from_many_threads_at_once_land_every_byte():
     """Split requests posted from several threads at once (the GIL is
     released for each copy): the parked helpers serve one at a time, the
     others drain their pieces alone; each lands whole."""
-    block, n = 64 << 10, memcopy.SPLIT_BYTES // (64 << 10) + 4
+    block, n = 64 << 10, _ALWAYS_SPLIT // (64 << 10) + 4
     jobs = [_tables(n, block) for _ in range(4)]
     perm = np.random.default_rng(5).permutation(n).astype(np.int64)
     di = np.arange(n, dtype=np.int64)
@@ -191,7 +227,7 @@ def test_split_copies_from_many_threads_at_once_land_every_byte():
 def test_split_copies_work_in_a_forked_child():
     """A child forked while the parent's copy helpers exist (even mid-copy)
     has none of them: its split copies start their own and land every byte."""
-    block, n = 64 << 10, memcopy.SPLIT_BYTES // (64 << 10) + 4
+    block, n = 64 << 10, _ALWAYS_SPLIT // (64 << 10) + 4
     src, dst, s, d = _tables(n, block)
     di = np.arange(n, dtype=np.int64)
     perm = np.random.default_rng(6).permutation(n).astype(np.int64)
@@ -225,11 +261,11 @@ def test_split_copies_work_in_a_forked_child():
 @pytest.mark.parametrize("engine", ENGINES)
 def test_split_copy_of_one_long_odd_row(engine):
     """One row longer than the split size and no multiple of a page."""
-    nbytes = memcopy.SPLIT_BYTES + (3 << 20) + 123
+    nbytes = _ALWAYS_SPLIT + (3 << 20) + 123
     src, dst = _arena(nbytes, 9), np.zeros(nbytes, np.uint8)
     one = lambda a: np.array([a.ctypes.data], np.uint64)  # noqa: E731
     if engine == "native":
-        memcopy._native.copy(one(dst), one(src), nbytes, 2, memcopy.SPLIT_BYTES)
+        memcopy._native.copy(one(dst), one(src), nbytes, 2, _ALWAYS_SPLIT)
     else:
         memcopy._copy_python(one(dst), one(src), nbytes)
     assert np.array_equal(dst, src)
