@@ -151,8 +151,10 @@ static void *drain(void *arg)
    Waking a parked helper costs tens of microseconds on a VM, as much as
    copying 1 MiB.  So a request under WAKE_WORTH is split only when it comes
    back to back (the previous request of at least the split size ended less
-   than `spin_ns` before it started), and then a helper that finishes its
-   part watches for the next request for up to `spin_ns` before parking.
+   than 4 x `spin_ns` before it started: a loop's Python between two requests
+   can outlast one spin, and a CPU that just went idle wakes fast), and then
+   a helper that finishes its part watches for the next request for up to
+   `spin_ns` before parking.
    Isolated requests (an engine's step every few ms) never spin, and under
    WAKE_WORTH the posting thread copies them alone. */
 #define WAKE_WORTH ((uint64_t)16 << 20)
@@ -167,13 +169,13 @@ static struct {
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0, 0,
           0, 0, 0};
 
-/* The previous request of at least the split size ended less than spin_ns ago
+/* The previous request of at least the split size ended less than 4 x spin_ns ago
    (read unlocked: a heuristic, a stale answer costs a wake or a helper). */
 static int back_to_back(void)
 {
     uint64_t ns = __atomic_load_n(&pool.spin_ns, __ATOMIC_RELAXED);
     uint64_t end = __atomic_load_n(&pool.finished_ns, __ATOMIC_RELAXED);
-    return ns && end && mono_ns() - end <= ns;
+    return ns && end && mono_ns() - end <= 4 * ns;
 }
 
 /* Up to spin_ns for the generation to move on from `seen` (called unlocked). */

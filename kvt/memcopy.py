@@ -19,7 +19,7 @@ wrong address crashes the process, as a wrong pointer does in C.
 Tuning (environment): ``KVT_COPY_THREADS`` (threads for one large request;
 default ``min(4, cpus)``), ``KVT_COPY_SPLIT_MIB`` (smallest request split
 across threads; default 1; under ``WAKE_WORTH``, 16 MiB, only requests that
-come back to back), ``KVT_COPY_SPIN_US`` (how long a helper thread watches
+come back to back, within 4 spins of the previous one), ``KVT_COPY_SPIN_US`` (how long a helper thread watches
 for the next of back-to-back split requests before parking; default 100, 0
 parks at once and splits only from ``WAKE_WORTH``: waking a parked thread
 costs about as much as copying 1 MiB on a VM, so isolated requests are
