@@ -32,7 +32,7 @@ from .config import Config, load_config
 from .auth import NotifSeal, Secret
 from .backend import Inbox, seconds as _seconds
 from .errors import (AuthenticationError, ClosedError, ConfigError, HandshakeError, IncompatiblePeer,
-                     IntegrityError, InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError, PeerDisconnected,
+                     InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError, PeerDisconnected,
                      ServerBusy, TransferTimeout, UnknownPeer, UnsupportedOperation, WireError)
 from . import integrity
 from .handshake import HandshakeServer, request

@@ -259,16 +259,29 @@ def _availability(cls: type[Backend]) -> Availability:
     return avail
 
 
+# how alike a shared key and one of the chosen backend's options must be to call it a typo: a
+# letter or two off scores 0.89 and up, while the shipped backends' options score 0.73 at most
+# against each other ("backends" / "backend_params"), so a key meant for another backend stays quiet
+_TYPO = 0.8
+
+
 def own_options(name: str, options: Mapping[str, Any], shared: Collection[str] = ()) -> dict[str, Any]:
     """Backend ``name``'s options: ``options`` without the keys in ``shared``
     (from a table serving every backend, ``Config.shared_options``) it does
-    not read.  ``ConfigError`` for any other key it does not read."""
+    not read (logged: at WARNING for a key that looks like a misspelt option
+    of this backend).  ``ConfigError`` for any other key it does not read."""
     cls = load_backend(name)
     own = dict(options)
     if cls.option_names is not None:
-        ignored = sorted(k for k in own if k in shared and k not in cls.option_names | CORE_OPTIONS)
-        if ignored:
-            log.info("backend %r ignores shared options %s", name, ignored)
+        names = sorted(cls.option_names | CORE_OPTIONS)
+        ignored = sorted(k for k in own if k in shared and k not in names)
+        misspelt = {k: close[0] for k in ignored
+                    if (close := difflib.get_close_matches(str(k), names, n=1, cutoff=_TYPO))}
+        for key, close in misspelt.items():  # most likely meant for this backend: say so where it shows
+            log.warning("backend %r ignores shared option %r from the [options] table (did you mean %r?); "
+                        "its options: %s", name, key, close, ", ".join(names))
+        if others := [k for k in ignored if k not in misspelt]:  # keys for other backends: expected
+            log.info("backend %r ignores shared options %s", name, others)
         own = {k: v for k, v in own.items() if k not in ignored}
     cls.check_options(own)
     return own

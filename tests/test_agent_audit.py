@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvt import Agent, memory
+from kvt import Agent
 from kvt.agent import poll_until
 from kvt.errors import ClosedError, InvalidArgument, KvtTimeoutError
 from kvt_conformance.peer import freeze

@@ -77,6 +77,24 @@ def test_explicit_options_marked_shared_are_dropped_where_unknown():
                                                                                   "timeout": 30.0}
 
 
+@pytest.mark.parametrize("key, level, says", [
+    ("inline_byte", "WARNING", "ignores shared option 'inline_byte' from the [options] table "
+                               "(did you mean 'inline_bytes'?); its options: advertise_host, auth_key"),
+    ("tranport", "WARNING", "(did you mean 'transport'?)"),
+    ("split_bytes", "INFO", "backend 'host' ignores shared options ['split_bytes']"),  # the ucx backend's
+    ("backends", "INFO", "backend 'host' ignores shared options ['backends']"),        # the nixl backend's
+])
+def test_a_shared_key_a_letter_off_an_option_is_a_warning(caplog, key, level, says):
+    """A misspelt key in ``[options]`` is dropped like a key for another
+    backend, but said where the default log level shows it."""
+    config = load_config("host", {key: 1, "transport": "tcp"}, env={}, shared=True)
+    with caplog.at_level("INFO", logger="kvt.registry"):
+        assert registry.own_options("host", config.options, config.shared_options) == {"transport": "tcp",
+                                                                                      "timeout": 30.0}
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if key in r.getMessage()]
+    assert len(records) == 1 and records[0][0] == level and says in records[0][1], records
+
+
 @pytest.mark.parametrize("argv", [["demo"], ["conformance", "host"]])
 def test_commands_refuse_a_misspelt_option_before_starting(argv):
     kvt = Path(sys.executable).parent / "kvt"  # the console script of the venv running the tests

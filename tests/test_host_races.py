@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvt import Agent, Descs, Op, memory
-from kvt.errors import ClosedError, InvalidHandle, KvtError, PeerDisconnected, TransferError, UnknownPeer
+from kvt.errors import ClosedError, InvalidHandle, PeerDisconnected, TransferError, UnknownPeer
 from kvt.agent import fetch_info
 from kvt.wire import decode
 from kvt_host.backend import HostBackend

@@ -13,7 +13,7 @@ from kvt.agent import Telemetry
 from kvt.errors import KvtTimeoutError
 from kvt_conformance.peer import freeze
 
-from peer import BLOCK, NUM_BLOCKS, pattern, peer_process
+from peer import BLOCK, NUM_BLOCKS, peer_process
 
 
 @pytest.fixture

@@ -41,7 +41,6 @@ def nodes():
 def etcd(net):
     """A real etcd server on the first test host; yields its ``etcd://`` URL."""
     import shutil
-    import urllib.request
 
     if not shutil.which("etcd"):
         skip_unless_required("etcd is not installed (`scripts/dev test` installs the etcd-server package as root)")

@@ -28,7 +28,7 @@ from kvt import Agent
 from kvt.agent import fetch_info
 from kvt.auth import ClientSession, Secret
 from kvt.config import load_config
-from kvt.errors import AuthenticationError, HandshakeError, KvtError, RemoteRejected, TransferTimeout
+from kvt.errors import AuthenticationError, HandshakeError, KvtError, TransferTimeout
 from kvt.handshake import curve_client, request
 from kvt.wire import HandshakeReply, HandshakeRequest, decode, encode
 from kvt_host.protocol import HostMetadata, Reply, Request

@@ -22,7 +22,6 @@ import zmq
 from kvt import Agent, auth, handshake, integrity
 from kvt.auth import ClientSession, Secret, ServerAuth
 from kvt.config import load_config
-from kvt.errors import AuthenticationError
 from kvt.handshake import HandshakeServer, RouterServer, request
 from kvt.wire import HandshakeReply, decode, encode
 

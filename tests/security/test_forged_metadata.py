@@ -9,15 +9,14 @@ import os
 import msgspec
 import numpy as np
 import pytest
-from kvt import Agent
 from kvt.agent import fetch_info
 from kvt.errors import WireError
 from kvt.procs import host_id, start_time
 from kvt.types import Descs, Op
-from kvt.wire import AgentInfo, BlockLayout, decode, encode
+from kvt.wire import AgentInfo, decode, encode
 from kvt_host.backend import HostBackend
 from kvt_host.protocol import HostMetadata
-from owner import GUARD_BYTE, REGION, owner_process
+from owner import REGION, owner_process
 
 
 def _settle(b, h, timeout=20):

@@ -49,7 +49,7 @@ import threading
 import time
 
 import numpy as np
-from kvt.errors import PeerDisconnected, RemoteRejected, TransferError, TransferTimeout
+from kvt.errors import PeerDisconnected, RemoteRejected, TransferTimeout
 from kvt.types import MemKind
 
 from .memops import gather, scatter
