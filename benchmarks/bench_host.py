@@ -20,7 +20,10 @@ copy engine splits requests of ``SPLIT_BYTES`` and more over up to
 ``THREADS`` threads (printed above the table), so its ratios can pass 1.
 * ``socket``: for the tcp row, a plain two-process stream of the same bytes
   over loopback TCP (``sendall`` of the whole buffer, ``recv_into`` the
-  destination), request to last byte.
+  destination), request to last byte; alternating with that row's transfers
+  and memcpys like the other baselines (measured apart from them, before
+  2026-11-28, it had a quieter machine than the transfers it was set
+  against).
 
 Prints a markdown table; best of ``--iters`` for each.
 """
@@ -28,6 +31,7 @@ Prints a markdown table; best of ``--iters`` for each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import socket
 import time
@@ -66,8 +70,9 @@ def _best(fn, iters: int) -> float:
     return best
 
 
-def _host_rows(endpoint: str, nbytes: int, iters: int, transport: str) -> dict:
-    """GB/s of READ and WRITE and of both memcpy baselines, interleaved."""
+def _host_rows(endpoint: str, nbytes: int, iters: int, transport: str, stream=None) -> dict:
+    """GB/s of READ and WRITE and of both memcpy baselines, interleaved
+    (and of ``stream``, a function receiving the socket baseline's bytes)."""
     from kvt import Agent, memory
 
     dst = np.ones(nbytes, np.uint8)
@@ -83,11 +88,12 @@ def _host_rows(endpoint: str, nbytes: int, iters: int, transport: str) -> dict:
             with agent.transfer_blocks(op, peer, [0], [0], layout="buf") as x:
                 x.wait(120)
 
-        t = {k: float("inf") for k in ("READ", "WRITE", "private", "seg->private", "private->seg")}
+        runs = [("private", lambda: np.copyto(b, a)), ("seg->private", lambda: np.copyto(b, seg)),
+                ("private->seg", lambda: np.copyto(seg, a)), ("READ", lambda: move("READ")),
+                ("WRITE", lambda: move("WRITE"))] + ([("socket", stream)] if stream else [])
+        t = {k: float("inf") for k, _ in runs}
         for _ in range(iters + 1):
-            for key, fn in (("private", lambda: np.copyto(b, a)), ("seg->private", lambda: np.copyto(b, seg)),
-                            ("private->seg", lambda: np.copyto(seg, a)), ("READ", lambda: move("READ")),
-                            ("WRITE", lambda: move("WRITE"))):
+            for key, fn in runs:
                 t[key] = min(t[key], _best(fn, 0))
         assert (dst[::4096] == 7).all(), "data did not arrive"
     for k, v in t.items():
@@ -95,7 +101,9 @@ def _host_rows(endpoint: str, nbytes: int, iters: int, transport: str) -> dict:
     return out
 
 
-def _socket_gbps(nbytes: int, iters: int, ctx) -> float:
+@contextlib.contextmanager
+def _socket_stream(nbytes: int, ctx):
+    """A function that receives the socket baseline's ``nbytes`` once, its sender in another process."""
     q, stop = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=_stream_sender, args=(nbytes, q, stop), daemon=True)
     p.start()
@@ -111,9 +119,8 @@ def _socket_gbps(nbytes: int, iters: int, ctx) -> float:
                     if not n:
                         raise ConnectionError("sender closed")
                     got += n
-            best = _best(one, iters)
+            yield one
         assert (dst[::4096] == 7).all()
-        return nbytes / best / 1e9
     finally:
         stop.set()
         p.join(10)
@@ -138,13 +145,14 @@ def main() -> None:
         p = ctx.Process(target=_target, args=(nbytes, shared, q, stop), daemon=True)
         p.start()
         try:
-            results.append((label, shared, _host_rows(q.get(timeout=60), nbytes, args.iters, transport)))
+            with contextlib.ExitStack() as on_tcp:
+                stream = on_tcp.enter_context(_socket_stream(nbytes, ctx)) if transport == "tcp" else None
+                results.append((label, shared, _host_rows(q.get(timeout=60), nbytes, args.iters, transport, stream)))
         finally:
             stop.set()
             p.join(10)
             if p.is_alive():
                 p.kill()
-    sock = _socket_gbps(nbytes, args.iters, ctx)
     kind, why = memory.page_policy(nbytes)
     print(f"\n{args.size_mib} MiB, 2 processes, best of {args.iters}; copy engine {memcopy.ENGINE} "
           f"({memcopy.THREADS} threads at >= {memcopy.SPLIT_BYTES >> 20} MiB inline, "
@@ -157,7 +165,8 @@ def main() -> None:
         # the same page kinds as the row's copy: a shared (4 KiB page) segment, or for cma the
         # target's private heap, huge pages like the initiator's
         same_r, same_w = (r["seg->private"], r["private->seg"]) if shared else (r["private"], r["private"])
-        socket_col, vs_sock = (f"{sock:.2f}", f"{r['READ'] / sock:.2f}") if label.startswith("tcp") else ("-", "-")
+        sock = r.get("socket")
+        socket_col, vs_sock = (f"{sock:.2f}", f"{r['READ'] / sock:.2f}") if sock else ("-", "-")
         print(f"| {label} | {r['READ']:.2f} | {r['WRITE']:.2f} | {r['private']:.2f} | {r['seg->private']:.2f} "
               f"| {r['private->seg']:.2f} | {socket_col} | {r['READ'] / same_r:.2f} | {r['WRITE'] / same_w:.2f} "
               f"| {vs_sock} |")

@@ -23,7 +23,10 @@ come back to back, within 4 spins of the previous one), ``KVT_COPY_SPIN_US`` (ho
 for the next of back-to-back split requests before parking; default 100, 0
 parks at once and splits only from ``WAKE_WORTH``: waking a parked thread
 costs about as much as copying 1 MiB on a VM, so isolated requests are
-copied by the posting thread alone and never spin).  A copy that runs in the background, on a
+copied by the posting thread alone and never spin), ``KVT_COPY_STREAM_MIB``
+(requests of at least this size in total are written with non-temporal
+stores, which skip reading each destination line before writing it: a KV
+load's blocks come from memory, not cache; default 4, 0 never; x86-64).  A copy that runs in the background, on a
 backend's worker while the thread that posted it goes on (polling, or
 computing), gets ``BACKGROUND_THREADS``: one CPU fewer, so it does not fight
 that thread for the machine (on 2 CPUs: 0.95-0.99x memcpy with one thread
@@ -86,8 +89,11 @@ SPLIT_BYTES = int(_env_number("KVT_COPY_SPLIT_MIB", 1, 0, 1 << 40) * (1 << 20))
 #: previous one (its helpers are then awake); from this size on, waking one is worth it (_copy.c)
 WAKE_WORTH = 16 << 20
 SPIN_US = _env_number("KVT_COPY_SPIN_US", 100, 0, 10_000)
+#: the native engine writes requests of at least this many bytes with non-temporal stores (x86-64)
+STREAM_BYTES = int(_env_number("KVT_COPY_STREAM_MIB", 16, 0, 1 << 40) * (1 << 20))
 if _native is not None:
     _native.set_spin(int(SPIN_US * 1000))
+    _native.set_stream(STREAM_BYTES)
 
 _IOV_MAX = 1024
 _BIG = 16 * 1024  # fallback: rows at least this long go to memmove (user-space memcpy beats the kernel copy)

@@ -271,6 +271,36 @@ def test_split_copy_of_one_long_odd_row(engine):
     assert np.array_equal(dst, src)
 
 
+@pytest.mark.skipif(memcopy._native is None, reason="streaming stores are the native engine's")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streamed_copies_land_every_byte(threads):
+    """Non-temporal stores (every request streamed here): rows of odd lengths at
+    odd offsets on both sides land whole, and a row overlapping itself still
+    copies like memmove."""
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(1, 200_000, 64).astype(np.uint64)
+    lengths[:4] = [1, 4095, 4096 + 63, _ALWAYS_SPLIT + 7 if threads > 1 else 3 << 20]  # the split one copies in pieces
+    total = int(lengths.sum())
+    src, dst = _arena(total + 64, 12), np.zeros(total + 64, np.uint8)
+    offs = np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)
+    rev = np.arange(len(lengths))[::-1].copy()  # not contiguous: every row its own run
+    d = np.uint64(dst.ctypes.data + 5) + offs[rev]
+    s = np.uint64(src.ctypes.data + 9) + offs[rev]
+    overlap = _arena(1 << 20, 13)
+    want = overlap.copy()
+    want[100:100 + 900_000] = overlap[:900_000]
+    memcopy._native.set_stream(1)
+    try:
+        assert memcopy._native.copy(d, s, lengths[rev], threads, 0) == total
+        o = np.uint64(overlap.ctypes.data)
+        memcopy._native.copy(np.array([o + np.uint64(100)]), np.array([o]), 900_000)
+    finally:
+        memcopy._native.set_stream(memcopy.STREAM_BYTES)
+    assert np.array_equal(dst[5:5 + total], src[9:9 + total])
+    assert not dst[:5].any() and not dst[5 + total:].any()
+    assert np.array_equal(overlap, want)
+
+
 def test_background_copies_leave_the_posting_thread_a_cpu():
     assert 1 <= memcopy.BACKGROUND_THREADS <= memcopy.THREADS
     if (os.cpu_count() or 1) > 1 and memcopy.THREADS > 1:
