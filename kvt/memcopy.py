@@ -41,6 +41,7 @@ import fcntl
 import logging
 import math
 import os
+import platform
 import select
 
 import numpy as np
@@ -91,6 +92,11 @@ WAKE_WORTH = 16 << 20
 SPIN_US = _env_number("KVT_COPY_SPIN_US", 100, 0, 10_000)
 #: the native engine writes requests of at least this many bytes with non-temporal stores (x86-64)
 STREAM_BYTES = int(_env_number("KVT_COPY_STREAM_MIB", 16, 0, 1 << 40) * (1 << 20))
+#: whether and from what size copies stream, for ``kvt backends``
+STREAMING = ("only with the native engine" if _native is None
+             else f"not on {platform.machine()} (x86-64 only)" if platform.machine() not in ("x86_64", "AMD64")
+             else "off (KVT_COPY_STREAM_MIB=0)" if not STREAM_BYTES
+             else f"requests of {STREAM_BYTES / (1 << 20):g} MiB and more (KVT_COPY_STREAM_MIB)")
 if _native is not None:
     _native.set_spin(int(SPIN_US * 1000))
     _native.set_stream(STREAM_BYTES)

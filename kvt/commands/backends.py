@@ -110,7 +110,7 @@ def _print_table(rows: list[registry.BackendStatus], show_missing: bool) -> None
     kind, why = memory.page_policy()
     console.print(Text.assemble(("copy engine: ", "bold"), f"{memcopy.ENGINE} ({memcopy.ENGINE_REASON}); "
                                 f"{memcopy.THREADS} threads per large request, {memcopy.BACKGROUND_THREADS} "
-                                "off the posting thread"))
+                                f"off the posting thread; non-temporal stores: {memcopy.STREAMING}"))
     console.print(Text.assemble(("shared segments: ", "bold"), f"{kind} pages ({why})"))
     console.print(Text.assemble(("configured: ", "bold"), _configured(rows)))
     installed = {s.info.name for s in rows}
