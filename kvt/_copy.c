@@ -100,7 +100,8 @@ static int check_wrap(const Plan *p, Py_ssize_t i, uint64_t l)
    and a store that misses must first read its line for ownership; streaming
    stores skip that read and leave the cache to the engine.  Measured on the
    2-CPU VM (docs/performance.md): a 16 MiB copy from and into memory 1.6-2.2x
-   faster, a warm 4 MiB one 0-20% slower.  0: never.  Set by set_stream. */
+   faster, a warm 4 MiB one 0-20% slower (so kvt.memcopy sets 16 MiB).  0: never.
+   Set by set_stream. */
 static uint64_t stream_bytes;
 
 #if defined(__x86_64__)

@@ -19,18 +19,19 @@ wrong address crashes the process, as a wrong pointer does in C.
 Tuning (environment): ``KVT_COPY_THREADS`` (threads for one large request;
 default ``min(4, cpus)``), ``KVT_COPY_SPLIT_MIB`` (smallest request split
 across threads; default 1; under ``WAKE_WORTH``, 16 MiB, only requests that
-come back to back, within 4 spins of the previous one), ``KVT_COPY_SPIN_US`` (how long a helper thread watches
-for the next of back-to-back split requests before parking; default 100, 0
-parks at once and splits only from ``WAKE_WORTH``: waking a parked thread
-costs about as much as copying 1 MiB on a VM, so isolated requests are
-copied by the posting thread alone and never spin), ``KVT_COPY_STREAM_MIB``
-(requests of at least this size in total are written with non-temporal
-stores, which skip reading each destination line before writing it: a KV
-load's blocks come from memory, not cache; default 4, 0 never; x86-64).  A copy that runs in the background, on a
-backend's worker while the thread that posted it goes on (polling, or
-computing), gets ``BACKGROUND_THREADS``: one CPU fewer, so it does not fight
-that thread for the machine (on 2 CPUs: 0.95-0.99x memcpy with one thread
-against 0.85-0.91x with two, next to a polling caller).
+come back to back, within 4 spins of the previous one), ``KVT_COPY_SPIN_US``
+(how long a helper thread watches for the next of back-to-back split
+requests before parking; default 100, 0 parks at once and splits only from
+``WAKE_WORTH``: waking a parked thread costs about as much as copying 1 MiB
+on a VM, so isolated requests are copied by the posting thread alone and
+never spin), ``KVT_COPY_STREAM_MIB`` (requests of at least this size in
+total are written with non-temporal stores, which skip reading each
+destination line before writing it: a KV load's blocks come from memory,
+not cache; default 16, 0 never; x86-64).  A copy that runs in the
+background, on a backend's worker while the thread that posted it goes on
+(polling, or computing), gets ``BACKGROUND_THREADS``: one CPU fewer, so it
+does not fight that thread for the machine (on 2 CPUs: 0.95-0.99x memcpy
+with one thread against 0.85-0.91x with two, next to a polling caller).
 """
 
 from __future__ import annotations
