@@ -18,6 +18,11 @@ that fits the CPU cache is timed from cache) and once against ``kvt bench
 --cold`` (different blocks each iteration, as an engine's loads are).
 "worker posted -> landed" is the decode worker's own view of each read
 (``take_timings``): the rest of the load time is the engine's step around it.
+Each backend runs twice: with every worker a process of its own (the
+scheduler talks to it over a pipe, as vLLM's multiprocess executor), then
+with the decode worker in the decode scheduler's process (as vLLM runs tp=1;
+the prefill worker stays a process of its own, so the KV still comes from
+another process).
 ``--integrity`` instead runs the engine with integrity checks off, then on
 (``KVT_INTEGRITY=1``: each read proven against the prefill side's digests).
 """
@@ -26,24 +31,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from kvt.connector.reference import EngineSpec, RequestSpec, ToyModel, run_pd
 
 
-def engine_loads(backend: str, args: argparse.Namespace) -> tuple[list[float], list[float], int]:
+def engine_loads(backend: str, args: argparse.Namespace, in_process: bool = False
+                 ) -> tuple[list[float], list[float], int]:
     """Load seconds of each request after the first (warm-up), the decode
-    worker's posted -> landed seconds of each, and the bytes one request reads."""
+    worker's posted -> landed seconds of each, and the bytes one request reads.
+    ``in_process``: the decode worker in the decode scheduler's process (as
+    vLLM runs tp=1), so run in a child process of its own: this one must not
+    load two backends' bundled libucx."""
+    if in_process:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+            return child.submit(_engine_loads, backend, args, True).result(timeout=600)
+    return _engine_loads(backend, args, False)
+
+
+def _engine_loads(backend: str, args: argparse.Namespace, in_process: bool) -> tuple[list[float], list[float], int]:
     model = ToyModel(layers=args.layers, kv_heads=args.heads, head_dim=args.head_dim, block_size=args.block_size,
                      name="bench")
     engine = {"model": model, "num_blocks": 2 * args.blocks + 8, "backend": backend}
     specs = [RequestSpec(f"r{i}", args.blocks * args.block_size, barrier=True) for i in range(args.requests + 1)]
-    report = run_pd(EngineSpec("prefill", **engine), EngineSpec("decode", **engine), specs, timeout=300)
+    report = run_pd(EngineSpec("prefill", **engine), EngineSpec("decode", **engine, in_process=in_process), specs,
+                    timeout=300)
     results = list(report.results.values())
     bad = [r for r in results if r.status != "ok" or r.mismatches]
     if bad or report.leaks:
@@ -106,20 +125,23 @@ def main() -> None:
     descs = args.layers * 2 * args.blocks
     print(f"{args.requests} requests of {args.blocks} blocks ({descs} descriptors of {part // 1024} KiB, "
           f"{descs * part / 2**20:.1f} MiB each), one at a time; medians\n")
-    print("| backend | engine load ms | worker posted -> landed ms | kvt bench READ ms | engine / bench "
-          "| memcpy ms | kvt bench --cold READ ms | engine / cold bench | memcpy cold ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| backend | decode worker | engine load ms | worker posted -> landed ms | kvt bench READ ms "
+          "| engine / bench | memcpy ms | kvt bench --cold READ ms | engine / cold bench | memcpy cold ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for backend in args.backends.split(","):
-        loads, landed, nbytes = engine_loads(backend, args)
-        if nbytes != descs * part:
-            raise SystemExit(f"{backend}: a request moved {nbytes} bytes, expected {descs * part}")
-        load, cells = statistics.median(loads), []
-        for cold in (False, True):
-            b = bench_read(backend, part, descs, cold)
-            memcpy = f"{1e3 * b['memcpy_s']:.2f}" if b["memcpy_s"] else "-"
-            cells += [f"{1e3 * b['median_s']:.2f}", f"{load / b['median_s']:.2f}x", memcpy]
-        print(f"| {backend} | {1e3 * load:.2f} | {1e3 * statistics.median(landed):.2f} | {' | '.join(cells)} |",
-              flush=True)
+        runs = {}
+        for where, in_process in (("own process", False), ("in-process", True)):
+            loads, landed, nbytes = engine_loads(backend, args, in_process)
+            if nbytes != descs * part:
+                raise SystemExit(f"{backend}: a request moved {nbytes} bytes, expected {descs * part}")
+            runs[where] = statistics.median(loads), statistics.median(landed)
+        benches = [bench_read(backend, part, descs, cold) for cold in (False, True)]
+        for where, (load, landed) in runs.items():
+            cells = []
+            for b in benches:
+                memcpy = f"{1e3 * b['memcpy_s']:.2f}" if b["memcpy_s"] else "-"
+                cells += [f"{1e3 * b['median_s']:.2f}", f"{load / b['median_s']:.2f}x", memcpy]
+            print(f"| {backend} | {where} | {1e3 * load:.2f} | {1e3 * landed:.2f} | {' | '.join(cells)} |", flush=True)
 
 
 if __name__ == "__main__":

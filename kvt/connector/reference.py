@@ -2,10 +2,11 @@
 tests and ``kvt demo --engine`` run.
 
 Two engines — prefill and decode — each a scheduler loop (here, in the
-calling process) plus one worker process per TP rank.  Workers hold toy KV
-caches whose contents are a known function of (request, layer, K/V, global
-head, token, dim), so any decode rank can check any block it holds whatever
-the TP ratio.  Requests flow::
+calling process) plus one worker process per TP rank, or at tp=1 optionally
+the worker in the scheduler's process (``EngineSpec.in_process``, as vLLM
+runs tp=1).  Workers hold toy KV caches whose contents are a known function
+of (request, layer, K/V, global head, token, dim), so any decode rank can
+check any block it holds whatever the TP ratio.  Requests flow::
 
     prefill: allocate -> compute every block -> request_finished -> hold
     router:  kv_transfer_params -> decode (maybe late, corrupted or never)
@@ -72,6 +73,9 @@ class EngineSpec:
     backend: str = "host"
     backend_options: dict = field(default_factory=dict)
     staging: bool = False  #: kv_buffer_device="cpu": caches are private "device" memory behind host buffers
+    #: tp=1 only: the worker runs in the scheduler's process (vLLM's single-process executor), not in
+    #: a process of its own; it sets torch's threads to 1 in that process, as worker processes do
+    in_process: bool = False
     abort_request_timeout: float = 30.0
     expiry_margin: float = 0.2
     handshake_timeout: float = 2.0
@@ -113,7 +117,7 @@ class RequestResult:
 class Report:
     results: dict[str, RequestResult]
     elapsed: float
-    workers: dict[str, list[dict]]   #: engine id -> per-rank {"outstanding", "stats", "timings"}
+    workers: dict[str, list[dict]]   #: engine id -> per-rank {"outstanding", "stats", "timings", "pid", ...}
     leaks: dict[str, Any]            #: everything still held at the end (empty when nothing leaked)
 
     @property
@@ -198,35 +202,95 @@ def _kvt_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("KVT_")}
 
 
+class _Rank:
+    """One TP rank: its toy caches and connector worker, answering the
+    engine's ``(command, work)`` messages with ``(kind, value)`` replies."""
+
+    def __init__(self, spec: EngineSpec, rank: int):
+        from .worker import ConnectorWorker
+
+        import torch
+
+        # the toy forward pass is a few indexing ops: one thread does it, and no
+        # OpenMP pool is left spin-waiting after each op on CPUs the other engine's
+        # copies need (both engines share this machine)
+        torch.set_num_threads(1)
+        self.spec, self.rank = spec, rank
+        caches = _caches(spec, rank)
+        self.worker = ConnectorWorker(spec.connector_config(), rank)
+        try:
+            self.ready = ("ready", (self.worker.register_kv_caches(caches), self.worker.agent.name))
+        except BaseException:
+            self.worker.shutdown()
+            raise
+        self.layers = list(caches.values())
+
+    def answer(self, cmd: str, work) -> tuple:
+        if cmd == "stop":
+            w = self.worker
+            report = {"outstanding": w.outstanding(), "stats": dict(w.stats), "timings": w.take_timings(),
+                      "config": w.agent.config.shown(), "pid": os.getpid()}
+            w.shutdown()
+            return "ok", report
+        return "ok", _step(self.worker, self.layers, self.spec, self.rank, work)
+
+
 def _worker_main(spec: EngineSpec, rank: int, conn, env: dict[str, str]) -> None:
-    from .worker import ConnectorWorker
-
-    import torch
-
     # kvt's settings as the engine has them now: a forkserver child inherits the environment the
     # server started with (possibly another engine's, earlier), not the engine's
     for k in _kvt_environment().keys() - env.keys():
         del os.environ[k]
     os.environ.update(env)
-
-    # the toy forward pass is a few indexing ops: one thread does it, and no
-    # OpenMP pool is left spin-waiting after each op on CPUs the other engine's
-    # copies need (both engines share this machine)
-    torch.set_num_threads(1)
+    rank_ = None
     try:
-        caches = _caches(spec, rank)
-        with ConnectorWorker(spec.connector_config(), rank) as worker:
-            conn.send(("ready", (worker.register_kv_caches(caches), worker.agent.name)))
-            layers = list(caches.values())
-            while conn.poll(_REPLY_TIMEOUT * 5):  # no word from the engine for that long: it is gone
-                cmd, work = conn.recv()
-                if cmd == "stop":
-                    conn.send(("ok", {"outstanding": worker.outstanding(), "stats": dict(worker.stats),
-                                      "timings": worker.take_timings(), "config": worker.agent.config.shown()}))
-                    return
-                conn.send(("ok", _step(worker, layers, spec, rank, work)))
+        rank_ = _Rank(spec, rank)
+        conn.send(rank_.ready)
+        while conn.poll(_REPLY_TIMEOUT * 5):  # no word from the engine for that long: it is gone
+            cmd, work = conn.recv()
+            conn.send(rank_.answer(cmd, work))
+            if cmd == "stop":
+                return
     except BaseException:
         conn.send(("error", f"{spec.engine_id} rank {rank}: {traceback.format_exc()}"))
+    finally:
+        if rank_ is not None:
+            rank_.worker.shutdown()
+
+
+class _InProcessRank:
+    """A rank in the engine's own process, behind the same send/poll/recv as
+    a worker process's pipe: vLLM's single-process executor (tp=1)."""
+
+    def __init__(self, spec: EngineSpec, rank: int):
+        self._out: deque = deque()
+        self._name = f"{spec.engine_id} rank {rank}"
+        self._rank = self._run(lambda: _Rank(spec, rank))
+        if self._rank is not None:
+            self._out.append(self._rank.ready)
+
+    def _run(self, fn):
+        """``fn()``, or None with the error a worker process would have sent queued."""
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001
+            self._out.append(("error", f"{self._name}: {traceback.format_exc()}"))
+            return None
+
+    def send(self, msg: tuple) -> None:
+        if self._rank is None:
+            self._out.append(("error", f"{self._name} never started"))
+        elif (reply := self._run(lambda: self._rank.answer(*msg))) is not None:
+            self._out.append(reply)
+
+    def poll(self, timeout: float) -> bool:
+        return bool(self._out)
+
+    def recv(self) -> tuple:
+        return self._out.popleft()
+
+    def close(self) -> None:
+        if self._rank is not None:
+            self._rank.worker.shutdown()
 
 
 def _context():
@@ -266,6 +330,9 @@ class _Engine:
         self.agg = FinishedAggregator(spec.tp)
         self.pool = _BlockPool(spec.num_blocks, seed=hash(spec.engine_id) & 0xFFFF)
         self.conns, self.procs = [], []
+        if spec.in_process:
+            self.conns.append(_InProcessRank(spec, 0))
+            return
         for rank in range(spec.tp):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, args=(spec, rank, child, _kvt_environment()),
@@ -333,6 +400,8 @@ class _Engine:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        for conn in self.conns:
+            conn.close()
         return reports
 
 
@@ -496,6 +565,11 @@ def run_pd(prefill: EngineSpec, decode: EngineSpec, requests: list[RequestSpec],
            timeout: float = 120.0, poll: float = 0.001) -> Report:
     """Run ``requests`` through a prefill and a decode engine; returns what
     happened to each, what the workers did, and anything left held."""
+    for e in (prefill, decode):
+        if e.in_process and e.tp != 1:
+            raise InvalidArgument(f"engine {e.engine_id!r}: in_process needs tp=1, not {e.tp}")
+    if prefill.in_process and any(r.kill_prefill for r in requests):
+        raise InvalidArgument("kill_prefill kills the prefill engine's worker processes; it has none in_process")
     for spec, e in ((s, e) for s in requests for e in (prefill, decode)):
         need = _blocks(spec.prompt_len, e.model.block_size)
         if need > e.num_blocks:

@@ -9,11 +9,13 @@ handshake is left anywhere (``Report.leaks``)."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
 from kvt.connector.reference import EngineSpec, RequestSpec, ToyModel, mixed_requests, run_pd
+from kvt.errors import InvalidArgument
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -242,3 +244,24 @@ def test_kvt_demo_engine_prints_latency_and_throughput(capsys):
     assert code == 0, out
     assert out.count(" ok") >= 5 and "end-to-end  median" in out and "throughput" in out and "requests/s" in out
     assert "OK: every decoded block verified, nothing leaked" in out
+
+
+def test_a_decode_worker_in_the_engines_process():
+    """At tp=1 the decode worker can run in the scheduler's process, as vLLM
+    runs tp=1: the same requests, every block read and verified, nothing
+    held; the prefill worker stays a process of its own (the KV it writes
+    comes from another process, as across engines)."""
+    requests = [*mixed_requests(8, BS, 16, seed=3), RequestSpec("prefix", 6 * BS, prefix_hit_blocks=2)]
+    report = run("host", requests, decode={"in_process": True})
+    assert [w["pid"] for w in report.workers["decode"]] == [os.getpid()]
+    assert report.workers["prefill"][0]["pid"] != os.getpid()
+    assert_delivered(report, requests)
+    assert stats(report, "decode", "recv_ok") == [with_blocks(requests)]
+    assert stats(report, "prefill", "released_by_readers") == [with_blocks(requests)]
+
+
+@pytest.mark.parametrize("change, why", [({"decode": {"in_process": True}, "dtp": 2}, "needs tp=1"),
+                                         ({"prefill": {"in_process": True}}, "kill_prefill")])
+def test_in_process_is_refused_where_it_cannot_hold(change, why):
+    with pytest.raises(InvalidArgument, match=why):
+        run("host", [RequestSpec("r", 2 * BS, kill_prefill=True)], **change)
