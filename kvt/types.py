@@ -8,6 +8,7 @@ engines move 100,000 blocks at a time.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import operator
 from dataclasses import dataclass
@@ -171,6 +172,9 @@ def as_index(idx: Any, n: int, what: str = "index") -> np.ndarray:
 
 _INT64 = np.dtype(np.int64)
 _U64_LIMIT = 1 << 64
+#: up to this many rows, ``check_rows`` and ``locate`` run on Python ints (numpy's fixed cost per call,
+#: tens of microseconds once a large copy has flushed the caches, dominates a few rows)
+_FEW_ROWS = 16
 
 
 def _shown(value: Any) -> str:
@@ -226,6 +230,26 @@ def row_ends(addrs: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.nda
     return ends, ends >= a
 
 
+def _contained(addrs: np.ndarray, lengths: np.ndarray, starts: np.ndarray, best_end: np.ndarray,
+               holder: np.ndarray) -> np.ndarray:
+    """For rows on one device, the region row holding each (``holder`` of the
+    last region starting at or before it, if the ends reach), else -1."""
+    pos = np.searchsorted(starts, addrs, side="right") - 1
+    posc = np.maximum(pos, 0)
+    end, fits = row_ends(addrs, lengths)
+    return np.where((pos >= 0) & fits & (end <= best_end[posc]), holder[posc], -1)
+
+
+def _contained_one(addr: int, length: int, found: tuple | None) -> int:
+    """``_contained`` of one row, on Python ints."""
+    if found is None:
+        return -1
+    starts, best_end, holder = found[3:]
+    pos = bisect.bisect_right(starts, addr) - 1
+    # (exact ints: a row past 2**64 ends past every region's end, which is below it)
+    return holder[pos] if pos >= 0 and addr + length <= best_end[pos] else -1
+
+
 class Descs:
     """An immutable list of memory descriptors ``(address, length, device)``.
 
@@ -235,7 +259,7 @@ class Descs:
     memory through torch).
     """
 
-    __slots__ = ("array", "kind", "tensors", "_uniform")
+    __slots__ = ("array", "kind", "tensors", "_uniform", "_index")
 
     def __init__(self, array: Any, kind: MemKind | str = MemKind.DRAM, tensors: Sequence[Any] = ()):
         try:
@@ -259,6 +283,7 @@ class Descs:
             raise InvalidArgument(f"unknown memory kind {kind!r}; use one of {[k.value for k in MemKind]}") from None
         self.array, self.kind, self.tensors = arr, kind, tuple(tensors)
         self._uniform: int | None | bool = False  # not computed yet
+        self._index: dict[int, tuple] | None = None  # locate's, built once
 
     # -- construction -----------------------------------------------------
 
@@ -407,37 +432,49 @@ class Descs:
 
     def locate(self, regions: "Descs") -> np.ndarray:
         """For each row, the index of a row of ``regions`` that wholly contains
-        it (same device), or -1.  Vectorised: sort regions by start, take the
-        running maximum of their ends, binary-search each descriptor."""
+        it (same device), or -1.  Vectorised: regions sorted by start with the
+        running maximum of their ends (built once per ``regions``, which is
+        immutable: a server checks every request against the same table), then
+        one binary search per descriptor."""
         if not isinstance(regions, Descs):
             raise InvalidArgument(f"regions must be Descs, got {type(regions).__name__}")
-        out = np.full(len(self), -1, dtype=np.int64)
         if not len(self) or not len(regions):
-            return out
+            return np.full(len(self), -1, dtype=np.int64)
+        index = regions._index if regions._index is not None else regions._build_index()
+        if len(self) <= _FEW_ROWS:  # a few rows (a peer's small request): Python ints beat numpy's per-call cost
+            return np.array([_contained_one(a, n, index.get(d)) for a, n, d in self.array.tolist()], np.int64)
         devs = self.devices
-        uniform = bool((devs == devs[0]).all())  # the common case: skip the per-device split
+        if bool((devs == devs[0]).all()):  # the common case: one device, no per-device split
+            found = index.get(int(devs[0]))
+            return np.full(len(self), -1, dtype=np.int64) if found is None else \
+                _contained(self.addrs, self.lengths, *found[:3])
+        out = np.full(len(self), -1, dtype=np.int64)
         # only devices both sides have: a row on any other stays -1 at no cost (a peer's request of
         # 65,536 rows on as many devices was one O(n) pass per device: seconds of a server thread)
-        for dev in devs[:1] if uniform else np.intersect1d(devs, regions.devices):
-            rsel = np.flatnonzero(regions.devices == dev)
-            if not rsel.size:
-                continue
-            dsel = np.arange(len(self)) if uniform else np.flatnonzero(devs == dev)
-            order = rsel[np.argsort(regions.addrs[rsel], kind="stable")]
-            starts = regions.addrs[order]
-            ends, fits = row_ends(starts, regions.lengths[order])
+        for dev in np.intersect1d(devs, regions.devices).tolist():
+            dsel = np.flatnonzero(devs == dev)
+            out[dsel] = _contained(self.addrs[dsel], self.lengths[dsel], *index[dev][:3])
+        return out
+
+    def _build_index(self) -> dict[int, tuple]:
+        """Per device: region starts in order, the running maximum of their
+        ends, and the row achieving it (what ``locate`` searches), as arrays
+        and as lists."""
+        index = {}
+        devs = self.devices
+        for dev in np.unique(devs).tolist():
+            rsel = np.flatnonzero(devs == dev)
+            order = rsel[np.argsort(self.addrs[rsel], kind="stable")]
+            starts = self.addrs[order]
+            ends, fits = row_ends(starts, self.lengths[order])
             ends = np.where(fits, ends, starts)  # a region that wraps contains nothing
             best_end = np.maximum.accumulate(ends)
             # index (into order) of the region achieving the running max end
             arg = np.maximum.accumulate(np.where(ends == best_end, np.arange(len(ends)), 0))
-            a, n = self.addrs[dsel], self.lengths[dsel]
-            pos = np.searchsorted(starts, a, side="right") - 1
-            ok = pos >= 0
-            posc = np.where(ok, pos, 0)
-            end, fits = row_ends(a, n)
-            ok &= fits & (end <= best_end[posc])
-            out[dsel] = np.where(ok, order[arg[posc]], -1)
-        return out
+            holder = order[arg]
+            index[dev] = (starts, best_end, holder, starts.tolist(), best_end.tolist(), holder.tolist())
+        self._index = index  # (two threads may both build it: the same value)
+        return index
 
     def check_rows(self, what: str, *, max_rows: int | None = None, max_bytes: int | None = None) -> None:
         """Refuse rows no transfer or registration can mean: zero length, an
@@ -446,17 +483,28 @@ class Descs:
         summed without wrapping.  For lists that come from a peer."""
         if max_rows is not None and len(self) > max_rows:
             raise InvalidDescriptor(f"{what}: {len(self)} rows, more than the limit of {max_rows}")
+        if len(self) <= _FEW_ROWS:  # as in locate: Python ints
+            rows = self.array.tolist()
+            bad = [i for i, (a, n, _) in enumerate(rows) if n == 0 or a + n >= _U64_LIMIT]
+            if bad:
+                self._refuse_row(what, bad[0])
+            if max_bytes is not None and sum(n for _, n, _ in rows) > max_bytes:
+                raise InvalidDescriptor(f"{what}: more than the limit of {max_bytes} bytes in one request")
+            return
         _, fits = row_ends(self.addrs, self.lengths)
         bad = np.flatnonzero(~fits | (self.lengths == 0))
         if bad.size:
-            a, n, _ = (int(x) for x in self.array[bad[0]])
-            raise InvalidDescriptor(f"{what}: row {int(bad[0])} (address {a:#x}, length {n}) is empty or "
-                                    "ends past the top of the address space")
+            self._refuse_row(what, int(bad[0]))
         if max_bytes is not None:
             n = self.lengths  # the float sum screens out totals that would wrap the exact uint64 sum
             if (n > np.uint64(max_bytes)).any() or n.sum(dtype=np.float64) > 2.0 ** 62 \
                     or int(n.sum(dtype=np.uint64)) > max_bytes:
                 raise InvalidDescriptor(f"{what}: more than the limit of {max_bytes} bytes in one request")
+
+    def _refuse_row(self, what: str, i: int) -> None:
+        a, n, _ = (int(x) for x in self.array[i])
+        raise InvalidDescriptor(f"{what}: row {i} (address {a:#x}, length {n}) is empty or "
+                                "ends past the top of the address space")
 
     def check_within(self, regions: "Descs", what: str = "descriptors") -> np.ndarray:
         """``locate``, raising ``InvalidDescriptor`` naming the first row outside."""

@@ -50,6 +50,46 @@ def test_locate_handles_overlap_nesting_and_devices():
             assert ra <= a and a + n <= ra + rn and dev == rdev
 
 
+def _check_outcome(d: Descs, max_bytes: int):
+    try:
+        d.check_rows("request", max_rows=64, max_bytes=max_bytes)
+    except InvalidDescriptor as e:
+        return str(e)
+    return None
+
+
+def test_few_rows_are_checked_and_located_as_many_are(monkeypatch):
+    """``check_rows`` and ``locate`` take a few rows on Python ints and
+    more in numpy: both give the same answer on every row, edges included
+    (wrapping ends, zero lengths, region bounds, unknown devices, the byte
+    limit), and ``locate`` reuses the table's index once built."""
+    import kvt.types as types
+
+    top = 2**64
+    regions = Descs.from_regions([100, 1000, 150, 100, top - 4096, 5000], [100, 50, 200, 10, 4095, 0],
+                                 [0, 0, 0, 1, 0, 2])
+    edges = [(100, 100, 0), (100, 101, 0), (99, 1, 0), (1000, 50, 0), (1049, 2, 0), (345, 5, 0), (349, 1, 0),
+             (350, 1, 0), (100, 0, 0), (105, 10, 1), (100, 10, 1), (top - 4096, 4095, 0), (top - 4096, 4096, 0),
+             (top - 1, 1, 0), (top - 1, 2**63, 0), (5000, 1, 2), (0, 1, 7), (top - 4096, 1, 0)]
+    rng = np.random.default_rng(0)
+    at_limit = [[(100, 250, 0), (150, 250, 0)], [(100, 250, 0), (150, 251, 0)], [(100, 501, 0)]]  # limit 500
+    picks = at_limit + [edges[i:i + 4] for i in range(0, len(edges), 4)] + [[edges[j] for j in rng.integers(0, len(edges), k)]
+                                                                  for k in rng.integers(1, 17, 200)]
+    picks += [[(int(a), int(n), int(dv)) for a, n, dv in zip(rng.integers(0, 1200, k), rng.integers(0, 300, k),
+                                                             rng.integers(0, 3, k))] for k in rng.integers(1, 17, 200)]
+    for rows in picks:
+        d = Descs(np.array(rows, np.uint64))
+        assert len(d) <= types._FEW_ROWS
+        few = d.locate(regions), _check_outcome(d, 500)
+        with monkeypatch.context() as m:
+            m.setattr(types, "_FEW_ROWS", 0)
+            many = d.locate(regions), _check_outcome(d, 500)
+        assert few[0].dtype == many[0].dtype == np.int64 and few[0].tolist() == many[0].tolist(), rows
+        assert few[1] == many[1], rows
+    assert regions._index is not None  # built on first use, kept for the table's life
+    assert Descs.from_regions([100], [1]).locate(Descs.empty()).tolist() == [-1]
+
+
 def test_check_within_names_the_first_bad_row():
     regions = Descs.from_regions([0], [100])
     with pytest.raises(InvalidDescriptor, match="row 1"):

@@ -126,10 +126,11 @@ def test_refused_write_declaring_an_impossible_payload_is_hung_up(owner, sock):
     assert_unharmed(owner, sock)
 
 
-def test_peer_that_stalls_or_lies_mid_write_costs_only_its_own_connection(owner, sock):
+@pytest.mark.parametrize("n", [65536, REGION])  # staged; received straight into memory (MSG_WAITALL)
+def test_peer_that_stalls_or_lies_mid_write_costs_only_its_own_connection(owner, sock, n):
     stalled = _stream(owner, sock)
-    try:  # a WRITE of 64 KiB (the region's own bytes: it may land) that stops after 1 KiB
-        stalled.sendall(HEAD.pack(b"kvtS", WRITE, 0, 0, 1) + rows((owner.base, 65536, 0)) +
+    try:  # a WRITE of n bytes (the region's own bytes: they may land) that stops after 1 KiB
+        stalled.sendall(HEAD.pack(b"kvtS", WRITE, 0, 0, 1) + rows((owner.base, n, 0)) +
                         PATTERN[:1024].tobytes())
         _assert_stream_serves(owner, sock)  # others are served meanwhile
         assert_unharmed(owner, sock)
@@ -261,8 +262,9 @@ def test_idle_unauthenticated_connections_leave_honest_transfers_working(owner, 
     assert_unharmed(owner, sock)
 
 
+@pytest.mark.parametrize("n", [64 << 10, 1 << 20])  # staged; received straight into memory (MSG_WAITALL)
 @pytest.mark.parametrize("end", ["timeout", "release"])
-def test_a_trickling_owner_ends_the_read_and_nothing_lands_after(end):
+def test_a_trickling_owner_ends_the_read_and_nothing_lands_after(end, n):
     """An owner (reached through its metadata) that answers a READ and then
     trickles its payload a byte at a time: the read ends ERR at its timeout,
     or at release, and no byte lands in our memory after that."""
@@ -275,7 +277,7 @@ def test_a_trickling_owner_ends_the_read_and_nothing_lands_after(end):
     from kvt_host.backend import HostBackend
     from kvt_host.protocol import HostMetadata, Reply, Request
 
-    n, stop = 64 << 10, threading.Event()
+    stop = threading.Event()
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     zport = router.bind_to_random_port("tcp://127.0.0.1")

@@ -164,12 +164,13 @@ class Server(RouterServer):
         and copy before leaving it."""
         if not len(rows):
             raise Refused("bad_request", f"{op} request without rows")
+        asked = Descs(rows)
         try:
-            Descs(rows).check_rows(f"{op} request", max_rows=MAX_REQUEST_ROWS, max_bytes=MAX_REQUEST_BYTES)
+            asked.check_rows(f"{op} request", max_rows=MAX_REQUEST_ROWS, max_bytes=MAX_REQUEST_BYTES)
         except InvalidDescriptor as e:
             raise Refused("bad_request", str(e)) from None
         use.kind, use.rows = kind, rows
-        if (Descs(rows).locate(self._b._regions.of(kind)) < 0).any():
+        if (asked.locate(self._b._regions.of(kind)) < 0).any():
             raise Refused("out_of_region", f"{sender!r} asked to {op} {kind.value} memory that "
                                            f"{self._b.agent_name!r} did not register")
         if kind is MemKind.DRAM:
