@@ -13,6 +13,12 @@ and reports medians:
 * bandwidth, 1 x 256 MiB and 4096 x 64 KiB (remote blocks in a random
   order), READ and WRITE: post, poll to DONE;  kvt/raw >= 0.97 is the target
 * one 4 KiB block, post + poll to DONE (release untimed);  kvt/raw <= 1.2
+* the same through ``kvt.Agent`` (``transfer_blocks`` + ``Transfer.state``,
+  a third agent in each process, connected through kvt's handshake): what
+  issue 13's line "nixl via Agent <= 1.3x raw nixl_agent" asks, measured
+  interleaved with raw in batches of 100 (this VM's speed drifts by up to
+  80% within seconds: engines timed one after the other, as ``kvt bench``
+  does, compare phases of the machine as much as code)
 * building and prepping descriptor lists of 100,000 blocks (local + remote)
 
 Raw uses nixl_agent's defaults and kvt the nixl backend's (both
@@ -69,19 +75,37 @@ def _target(env: dict, kvt_options: dict, with_raw: bool, conn) -> None:
         raw.register_memory(_rows(buf.ctypes.data, SIZE, 1), "DRAM")
     kvt = NixlBackend("kvt-target", kvt_options)
     kvt.register(Descs.from_buffers([buf]))
-    conn.send((raw.get_agent_metadata() if raw else None, kvt.local_metadata(), buf.ctypes.data))
+    agent = _agent("agent-target", kvt_options, buf) if with_raw else None
+    conn.send((raw.get_agent_metadata() if raw else None, kvt.local_metadata(), buf.ctypes.data,
+               agent.listen() if agent else None))
     deadline = time.monotonic() + 3600
     while not conn.poll(0.001 if not thread else 1.0) and time.monotonic() < deadline:
         if not thread:  # no progress thread: progress as an engine's target would, polling notifications
             kvt.get_notifs()
             if raw:
                 raw.get_new_notifs()
+                agent.get_notifs()
+    if agent:
+        agent.close()
     kvt.close()
+
+
+_RT_BLOCK, _RT_BLOCKS = 4096, 4096  # the round-trip cases' blocks: the first 16 MiB of each buffer
+
+
+def _agent(name: str, kvt_options: dict, buf: np.ndarray) -> Any:
+    """A ``kvt.Agent`` on the nixl backend with ``buf``'s first blocks as layout ``rt``."""
+    from kvt import Agent
+
+    agent = Agent(name, backend="nixl", options=kvt_options)
+    agent.register_blocks("rt", [buf[:_RT_BLOCK * _RT_BLOCKS].reshape(_RT_BLOCKS, _RT_BLOCK)])
+    return agent
 
 
 class Session:
     """The initiator's side: a raw agent and a kvt backend on one local
-    buffer, both loaded with the target's metadata."""
+    buffer, both loaded with the target's metadata, and (with raw) a
+    ``kvt.Agent`` connected to the target's."""
 
     def __init__(self, env: dict, kvt_options: dict, with_raw: bool):
         ctx = mp.get_context("spawn")
@@ -110,20 +134,24 @@ class Session:
                 self.raw.register_memory(_rows(self.buf.ctypes.data, SIZE, 1), "DRAM")
             self.kvt = NixlBackend("kvt-initiator", kvt_options)
             self.kvt.register(Descs.from_buffers([self.buf]))
+            self.agent = _agent("agent-initiator", kvt_options, self.buf) if with_raw else None
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         if not self._conn.poll(120):
             raise TimeoutError("the target process did not start")
-        raw_md, kvt_md, self.remote = self._conn.recv()
+        raw_md, kvt_md, self.remote, endpoint = self._conn.recv()
         self.raw_peer = self.raw.add_remote_agent(raw_md).decode() if with_raw else None
         self.kvt_peer = self.kvt.add_remote(kvt_md)
+        self.agent_peer = self.agent.connect(endpoint) if with_raw else None
 
     def close(self) -> None:
         self._conn.send("stop")
         self._proc.join(20)
         if self._proc.is_alive():
             self._proc.kill()
+        if self.agent:
+            self.agent.close()
         self.kvt.close()
 
     # -- one list pair each, same blocks ------------------------------------------
@@ -162,6 +190,18 @@ class Session:
         b.release(h)
         return dt
 
+    def agent_xfer(self, op, li: np.ndarray, ri: np.ndarray) -> float:
+        """What an engine's connector does: block ids of layout ``rt`` in, a ``Transfer`` polled to DONE."""
+        a = self.agent
+        t = time.perf_counter()
+        x = a.transfer_blocks(op, self.agent_peer, li, ri, "rt")
+        while (s := x.state()).pending:
+            pass
+        dt = time.perf_counter() - t
+        assert s.done, s
+        x.release()
+        return dt
+
 
 def _alternate(reps: int, raw: Callable[[], float], kvt: Callable[[], float], batch: int = 1) -> tuple[float, float]:
     """Medians of ``reps`` runs each after a warm-up, in batches of ``batch``
@@ -193,14 +233,19 @@ def overhead(args) -> list[tuple[str, str, str, str, str]]:
                 gb = SIZE / 1e9
                 rows.append((f"bandwidth {label} {op}", f"{gb / r:.2f} GB/s", f"{gb / k:.2f} GB/s",
                              f"{r / k:.3f}", ">= 0.97"))
-        rl, kl = s.raw_lists(4096, 4096), s.kvt_lists(4096, 4096)
-        idx = [np.array([i], np.int32) for i in rng.integers(0, 4096, 64)]
+        rl, kl = s.raw_lists(_RT_BLOCK, _RT_BLOCKS), s.kvt_lists(_RT_BLOCK, _RT_BLOCKS)
+        idx = [np.array([i], np.int32) for i in rng.integers(0, _RT_BLOCKS, 64)]
+        ids = [i.astype(np.int64) for i in idx]  # block ids as an engine holds them
         for op in ("READ", "WRITE"):
             it = iter(range(1 << 62))
             r, k = _alternate(args.lat_iters, lambda: s.raw_xfer(op, rl, idx[next(it) % 64], idx[0]),
                               lambda: s.kvt_xfer(ops[op], kl, idx[next(it) % 64], idx[0]), batch=100)
             rows.append((f"4 KiB round trip {op} (post + poll to DONE)", f"{r * 1e6:.2f} us",
                          f"{k * 1e6:.2f} us", f"{k / r:.3f}", "<= 1.2"))
+            r, k = _alternate(args.lat_iters, lambda: s.raw_xfer(op, rl, idx[next(it) % 64], idx[0]),
+                              lambda: s.agent_xfer(ops[op], ids[next(it) % 64], ids[0]), batch=100)
+            rows.append((f"4 KiB round trip {op} through kvt.Agent", f"{r * 1e6:.2f} us",
+                         f"{k * 1e6:.2f} us", f"{k / r:.3f}", "<= 1.3"))
         r, k = _alternate(max(3, args.reps // 3), lambda: _build_raw(s), lambda: _build_kvt(s))
         rows.append(("build + prep 100,000 blocks (local and remote lists)", f"{r * 1e3:.1f} ms",
                      f"{k * 1e3:.1f} ms", f"{k / r:.3f}", "reported"))

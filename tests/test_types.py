@@ -1,3 +1,5 @@
+import pickle
+
 import numpy as np
 import pytest
 
@@ -127,6 +129,19 @@ def test_xfer_state_err_carries_cause():
     s = XferState.err(cause)
     assert s.failed and s.cause is cause and s.status is Status.ERR
     assert XferState.DONE.done and XferState.PROC.pending
+
+
+@pytest.mark.parametrize("state", [XferState.PROC, XferState.DONE, XferState.err(TransferError("boom")),
+                                   XferState(Status.DONE)])
+def test_xfer_state_flags_name_exactly_its_status(state):
+    flags = (state.pending, state.done, state.failed)
+    assert flags == (state.status is Status.PROC, state.status is Status.DONE, state.status is Status.ERR)
+    assert sum(flags) == 1
+    copy = pickle.loads(pickle.dumps(state))  # a state crosses process boundaries (kvt bench, the connector)
+    assert (copy.pending, copy.done, copy.failed) == flags and copy.status is state.status
+    assert "done" not in repr(state)
+    with pytest.raises(AttributeError):  # frozen: a flag cannot drift from the status
+        state.done = not state.done
 
 
 # -- numpy's errors on malformed input surface as InvalidArgument naming the argument --
