@@ -370,3 +370,34 @@ def test_a_bad_inline_bytes_is_a_config_error_naming_it(value):
 
     with pytest.raises(ConfigError, match="inline_bytes"):
         HostBackend("bad-inline", {"timeout": 5, "inline_bytes": value})
+
+
+# -- a small request is sliced on Python ints, a large one with numpy: both the same --
+
+def _slicings(rows: np.ndarray, max_rows: int, max_bytes: int) -> tuple[list, list]:
+    from kvt_host.protocol import chunks
+    from kvt_host.stream import _runs
+    return ([part.tolist() for part in chunks(rows, max_rows, max_bytes)],
+            [(direct, run.tolist(), n) for direct, run, n in _runs(rows[:, [0, 2]])])
+
+
+def test_few_rows_are_sliced_as_many_are(monkeypatch):
+    import random
+
+    import kvt_host.protocol as protocol
+    import kvt_host.stream as stream
+    rng = random.Random(13)
+    edges = [0, 1, 4096, stream._DIRECT - 1, stream._DIRECT, stream._PIECE, stream._PIECE + 7, 3 << 20,
+             protocol.MAX_REQUEST_BYTES // 2, protocol.MAX_REQUEST_BYTES // 2 + 1]
+    for _ in range(400):
+        k = rng.randint(0, protocol.FEW_ROWS)
+        rows = np.zeros((k, 4), np.uint64)
+        rows[:, 0], rows[:, 1] = np.arange(k) * 8, np.arange(k) * 16
+        top = rng.choice([stream._DIRECT, 20 << 20])  # short rows only: runs cut at piece boundaries
+        rows[:, 2] = [rng.choice(edges) if rng.random() < 0.5 else rng.randrange(top) for _ in range(k)]
+        limits = rng.choice([protocol.MAX_REQUEST_ROWS, 1, 3]), rng.choice([protocol.MAX_REQUEST_BYTES, 1 << 20, 3 << 20])
+        few = _slicings(rows, *limits)
+        with monkeypatch.context() as m:  # the vectorised path for the same rows
+            m.setattr(protocol, "FEW_ROWS", -1)
+            m.setattr(stream, "FEW_ROWS", -1)
+            assert _slicings(rows, *limits) == few, (rows[:, 2].tolist(), limits)
