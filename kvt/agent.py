@@ -61,21 +61,27 @@ def fetch_info(endpoint: str, sender: str, timeout: float, secret: Secret | None
         raise HandshakeError(f"peer at {endpoint} sent unreadable metadata: {e}") from e
 
 
-def _refused(endpoint: str, timeout: float) -> bool:
-    """True if a TCP ``endpoint`` refuses a connection (nothing listens:
-    zmq would retry quietly until the handshake times out).  Anything else,
-    a timeout included, is left to the handshake to judge."""
+_PROBE_S = 0.5  # seconds a probe waits for the peer's host to accept a TCP connection
+
+
+def _unreachable(endpoint: str, timeout: float, hasty: bool = False) -> str | None:
+    """Why a TCP ``endpoint`` cannot be a live peer: nothing listens (the
+    connection is refused; zmq would retry quietly until the handshake timed
+    out) or, ``hasty``, its host did not accept within ``_PROBE_S``.  None
+    leaves the judgement to the handshake."""
     scheme, _, where = endpoint.partition("://")
     host, _, port = where.rpartition(":")
     if scheme != "tcp" or not port.isdigit():
-        return False
+        return None
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout, 0.5)).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout, _PROBE_S)).close()
     except ConnectionRefusedError:
-        return True
+        return "connection refused"
+    except TimeoutError:
+        return f"its host did not accept a connection within {min(timeout, _PROBE_S):g}s" if hasty else None
     except (OSError, ValueError, OverflowError):
         pass
-    return False
+    return None
 
 
 _AUTH_REFUSAL = "AuthenticationError:"
@@ -163,8 +169,13 @@ _PROC = XferState.PROC.status
 
 #: transfer failures that mean the peer may have gone (and may come back as a new process)
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
-_RECOVER_TIMEOUT = 2.0  # seconds spent asking a lost peer for new metadata
-_RECOVER_EVERY = 0.1    # seconds between such attempts on a peer that stays lost (bounds the store load)
+_RECOVER_TIMEOUT = 2.0  # seconds an attempt may spend asking a lost peer for new metadata
+# Attempts on a peer that stays lost back off: the next is due after _RECOVER_FIRST seconds, doubled
+# per failed attempt up to _RECOVER_MAX, and after at least _RECOVER_SHARE times what the failed
+# attempt took: the callers they run in (posts, waits) lose at most about a tenth of their time to a
+# host that does not answer, and a refused port (a restart under way) is tried again within a second
+_RECOVER_FIRST, _RECOVER_MAX, _RECOVER_SHARE = 0.1, 1.0, 10
+_NOT_LOST = (math.inf, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,7 +360,8 @@ class Agent:
         # what wait_notif received while looking for another message, bounded as a backend's inbox
         self._pending = Inbox()
         self._reach: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
-        self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
+        # peer -> (when the next attempt to recover it is due, attempts failed so far): it is still gone
+        self._lost: dict[str, tuple[float, int]] = {}
         self._moved: dict[str, str] = {}  # peer -> why it is gone for good (its route leads to another agent)
         self._discovery = None
         self._lock = threading.RLock()
@@ -497,8 +509,10 @@ class Agent:
         remembers it: when waiting on a transfer to the peer finds it failed as
         if the peer had gone (``PeerDisconnected``, ``TransferTimeout``), kvt
         reconnects the same way, and while it stays gone the next transfer to
-        it tries again first (at most every 0.1 s, for at most 2 s; a port
-        nothing listens on fails at once), so a restarted peer is picked up
+        it tries again first (for at most 2 s; a port nothing listens on, or
+        a host that does not accept a connection within 0.5 s, fails sooner;
+        attempts back off from 0.1 s to 1 s apart, and to ten times what the
+        last one took: docs/reliability.md), so a restarted peer is picked up
         with no call from the user, if it kept its agent name (a configured
         ``name``; one drawn at start changes with each restart).  Once the
         route leads to an agent of another name, transfers to the old name
@@ -521,16 +535,18 @@ class Agent:
                 lock = self._peer_locks[name] = threading.RLock()
             return lock
 
-    def _fetch(self, route: str, timeout: float | None, probe: bool = False) -> AgentInfo:
+    def _fetch(self, route: str, timeout: float | None, probe: bool = False, hasty: bool = False) -> AgentInfo:
         """``probe``: first see whether anything listens there (a process
         that died leaves a port that refuses at once, where the handshake
-        would wait out its whole timeout)."""
+        would wait out its whole timeout); ``hasty``: and give up on a host
+        that does not accept the probe's connection in time."""
         t = self.config.handshake_timeout if timeout is None else timeout
         _seconds(t, "handshake timeout")
         if "://" not in route:
             route = self.discovery.resolve(route, timeout=t)
-        if probe and _refused(route, t):
-            raise HandshakeError(f"nothing listens at {route} (connection refused)")
+        why = _unreachable(route, t, hasty) if probe else None
+        if why:
+            raise HandshakeError(f"no live peer at {route} ({why})")
         return fetch_info(route, self.name, t, self.secret)
 
     def reconnect(self, peer: str, timeout: float | None = None) -> bool:
@@ -539,6 +555,9 @@ class Agent:
         dropped, its in-flight transfers end ``ERR``).  True if it changed.  ``PeerDisconnected`` if the peer is not back (yet).
         Called by ``Transfer.wait`` on a lost peer; call it yourself when you
         poll with ``state()``."""
+        return self._reconnect(peer, timeout)
+
+    def _reconnect(self, peer: str, timeout: float | None, hasty: bool = False) -> bool:
         self._check_open()
         if timeout is not None:
             _seconds(timeout, "handshake timeout")  # a bad argument, not a lost peer
@@ -547,7 +566,7 @@ class Agent:
             raise PeerDisconnected(f"peer {peer!r} seems gone and was added by add_peer(), so kvt cannot "
                                    "reach it again by itself; connect() to it again")
         try:
-            info = self._fetch(route, timeout, probe=True)
+            info = self._fetch(route, timeout, probe=True, hasty=hasty)
         except KvtError as e:
             raise PeerDisconnected(f"peer {peer!r} seems gone and does not answer at {route} ({e}); "
                                    "the next transfer tries again") from e
@@ -569,16 +588,27 @@ class Agent:
             return old is None or old.metadata != info.metadata or old.layouts != info.layouts
 
     def _recover(self, peer: str) -> None:
-        if peer in self._reach and peer not in self._moved and not self._closed:
-            try:
-                self.reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT))
-                self._lost.pop(peer, None)
-            except KvtError as e:  # still gone: the caller sees the transfer's own error
-                with self._peer_lock(peer):
-                    if peer in self._reach:  # (not if it was removed meanwhile)
-                        self._lost[peer] = time.monotonic()
-                        if isinstance(e, IncompatiblePeer):  # gone for good: no more attempts
-                            self._moved[peer] = str(e)
+        """Look for a lost peer's new incarnation, unless the backoff says
+        the next attempt is not due yet (then nothing: a quick return)."""
+        start = time.monotonic()
+        due, failed = self._lost.get(peer, (start, 0))
+        if start < due or peer not in self._reach or peer in self._moved or self._closed:
+            return
+        # claimed for the attempt's length: the waits of a batch of failed transfers make one attempt
+        self._lost[peer] = (start + _RECOVER_TIMEOUT, failed)
+        try:
+            self._reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT), hasty=True)
+            self._lost.pop(peer, None)
+        except KvtError as e:  # still gone: the caller sees the transfer's own error
+            end = time.monotonic()
+            with self._peer_lock(peer):
+                if peer not in self._reach:  # removed meanwhile
+                    self._lost.pop(peer, None)
+                    return
+                pause = max(min(_RECOVER_FIRST * 2 ** min(failed, 16), _RECOVER_MAX), _RECOVER_SHARE * (end - start))
+                self._lost[peer] = (end + pause, failed + 1)
+                if isinstance(e, IncompatiblePeer):  # gone for good: no more attempts
+                    self._moved[peer] = str(e)
 
     def _check_moved(self, peer: str, cause: BaseException | None = None) -> None:
         """``PeerDisconnected`` saying what to do if ``peer`` restarted under another name."""
@@ -667,7 +697,7 @@ class Agent:
             self._reap()
         if self._lost and type(peer) is str:
             self._check_moved(peer)
-            if time.monotonic() - self._lost.get(peer, math.inf) >= _RECOVER_EVERY:  # (popped meanwhile: inf)
+            if time.monotonic() >= self._lost.get(peer, _NOT_LOST)[0]:  # (popped meanwhile: never)
                 self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
                 self._check_moved(peer)
         rname = remote_layout or layout

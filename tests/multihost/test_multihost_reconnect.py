@@ -84,10 +84,39 @@ def test_attempts_on_a_killed_peer_do_not_wait_out_the_handshake_timeout(net, no
     prefill.kill()
     assert decode.read(peer, [0], [0], salt=7).get("error") in LOST  # noticed (within the 3 s timeout)
     for _ in range(3):
-        time.sleep(0.15)  # past the 0.1 s between attempts: each read makes one
+        time.sleep(0.15)  # past the first pause between attempts (0.1 s, then doubling): reads make some
         t0 = time.monotonic()
         rep = decode.read(peer, [0], [0], salt=7)
         took = time.monotonic() - t0
         assert rep.get("error") in LOST, rep
         # an attempt that waited for an answer would take 2 s (the cap on one attempt)
         assert took < 1.5, f"a transfer to a killed peer took {took:.2f}s: the attempt waited out a timeout"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_host_that_stops_answering_costs_its_callers_little(net, nodes, backend):
+    """A host that is down or cut off sends nothing back, not even a
+    refusal.  Each ``wait()`` of a transfer that failed on it ran an attempt
+    to reach it again, and each attempt waited out a connection (0.5 s) and
+    then the handshake (2 s): a loop of transfers to it spent 2.5 s per
+    transfer in attempts.  Now an attempt gives up when the host does not
+    accept a connection, and the next is due only after ten times what that
+    cost: the transfers after the first fail at once."""
+    need_backend(backend)
+    a, b = net.hosts
+    prefill = nodes(a, "prefill", backend, salt=7, port=PORT, timeout=2.0)
+    decode = nodes(b, "decode", backend, salt=3, timeout=2.0)
+    peer = decode.call("connect", endpoint=prefill.endpoint)["peer"]
+    a.netem(loss_pct=100)  # every packet host a sends is lost: it looks down from b
+    try:
+        rep = decode.read(peer, [0], [0], salt=7, timeout=15)
+        assert rep.get("error") in LOST, rep  # noticed at the 2 s deadline, and one attempt made
+        t0 = time.monotonic()
+        for _ in range(4):
+            rep = decode.read(peer, [0], [0], salt=7, timeout=15)
+            assert rep.get("error") in LOST, rep
+        took = time.monotonic() - t0
+        assert took < 2.0, f"four transfers to a host that stopped answering took {took:.2f}s: attempts to " \
+                           "reach it again ran in every wait"
+    finally:
+        a.netem()
