@@ -516,9 +516,22 @@ if HostBackend is not None:
                 job.peer.failed = None
             super()._run(job)
 
+    class BrokenHostDeregisterNoDrain(HostBackend):
+        """Test double of the host backend, a fast one (its copies are native
+        memcpy, gone in a few ms, where the example's run in Python):
+        ``deregister`` withdraws the memory and returns without waiting for
+        the copies of it in flight."""
+
+        def deregister(self, handle):
+            self._check_open()
+            with self._lock:
+                self._regions.remove(handle)
+                self._epoch.bump()
+                self._mirrors.remove(handle)
+
 
 #: variants run with the suites' own timeouts, not the short ones the example's doubles get
-OWN_TIMEOUTS = {"BrokenHostBlockingCheckState", "BrokenHostFailsOnePerTimeout"}
+OWN_TIMEOUTS = {"BrokenHostBlockingCheckState", "BrokenHostFailsOnePerTimeout", "BrokenHostDeregisterNoDrain"}
 
 #: the suites a variant runs, where not every suite: each double made for one contract runs the suites
 #: that test it and those it must still pass (running all of them again mostly re-tests the example)
@@ -548,6 +561,7 @@ SUITES = {
     "BrokenLeaksWorkerOnClose": ("ConcurrencyTests", "ErrorTests"),
     "BrokenHostBlockingCheckState": ("FaultTests",),
     "BrokenHostFailsOnePerTimeout": ("FaultTests",),
+    "BrokenHostDeregisterNoDrain": ("RegistrationTests", "OwnerCheckTests"),
 }
 
 #: the unbroken backend first: the control every variant is compared with
@@ -560,4 +574,4 @@ VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDon
             BrokenDupAttachedNotif, BrokenNotifToLastPeer, BrokenNotifyNoSizeCheck, BrokenNotifyNoTypeCheck,
             BrokenReleasePrepEndsTransfers, BrokenLeaksWorkerOnClose, BrokenUnhashablePeerName)
 if HostBackend is not None:
-    VARIANTS += (BrokenHostBlockingCheckState, BrokenHostFailsOnePerTimeout)
+    VARIANTS += (BrokenHostBlockingCheckState, BrokenHostFailsOnePerTimeout, BrokenHostDeregisterNoDrain)

@@ -196,6 +196,12 @@ EXPECT = {
         ["FaultTests::test_frozen_peer_fails_every_queued_transfer_within_one_timeout"],
         ["FaultTests::test_transfer_posts_while_peer_frozen", "FaultTests::test_check_state_returns_while_peer_frozen",
          "FaultTests::test_remove_remote_ends_in_flight_transfers"]),
+    # the example's copies run in Python, slow enough for any deregister to land in the middle of one: is
+    # a backend whose copies take a few ms caught too?
+    "BrokenHostDeregisterNoDrain": (
+        [f"OwnerCheckTests::test_deregister_waits_for_requests_in_flight[{op}]" for op in ("READ", "WRITE")],
+        ["registration", "OwnerCheckTests::test_close_waits_for_requests_in_flight[READ]",
+         "OwnerCheckTests::test_close_waits_for_requests_in_flight[WRITE]"]),
 }
 
 
