@@ -12,7 +12,11 @@ and reports medians:
 
 * bandwidth, 1 x 256 MiB and 4096 x 64 KiB (remote blocks in a random
   order), READ and WRITE: post, poll to DONE;  kvt/raw >= 0.97 is the target
-* one 4 KiB block, post + poll to DONE (release untimed);  kvt/raw <= 1.2
+* one 4 KiB block, post + poll to DONE (release untimed);  kvt/raw <= 1.2;
+  and, as the floor under both, NIXL's pybind calls alone (``makeXferReq``,
+  ``postXferReq``, ``getXferStatus`` on ``nixl_agent.agent``, the ids as the
+  list kvt hands over): what is left to kvt's Python once NIXL's own time
+  is paid
 * the same through ``kvt.Agent`` (``transfer_blocks`` + ``Transfer.state``,
   a third agent in each process, connected through kvt's handshake): what
   issue 13's line "nixl via Agent <= 1.3x raw nixl_agent" asks, measured
@@ -144,6 +148,9 @@ class Session:
         self.raw_peer = self.raw.add_remote_agent(raw_md).decode() if with_raw else None
         self.kvt_peer = self.kvt.add_remote(kvt_md)
         self.agent_peer = self.agent.connect(endpoint) if with_raw else None
+        if with_raw:
+            bind = _quiet_nixl().nixlBind
+            self.nixl_ops, self.nixl_ok = {"READ": bind.NIXL_READ, "WRITE": bind.NIXL_WRITE}, bind.NIXL_SUCCESS
 
     def close(self) -> None:
         self._conn.send("stop")
@@ -177,6 +184,19 @@ class Session:
         dt = time.perf_counter() - t
         assert s == "DONE", s
         a.release_xfer_handle(h)
+        return dt
+
+    def calls_xfer(self, op: str, lists, li: list, ri: list) -> float:
+        """NIXL's pybind calls alone: no wrapper, no bookkeeping."""
+        a = self.raw.agent
+        ok = self.nixl_ok
+        t = time.perf_counter()
+        h = a.makeXferReq(self.nixl_ops[op], lists[0]._handle, li, lists[1]._handle, ri, b"", [], False)
+        s = a.postXferReq(h, b"")
+        while s != ok:
+            s = a.getXferStatus(h)
+        dt = time.perf_counter() - t
+        a.releaseXferReq(h)
         return dt
 
     def kvt_xfer(self, op: str, lists, li: np.ndarray, ri: np.ndarray) -> float:
@@ -236,8 +256,13 @@ def overhead(args) -> list[tuple[str, str, str, str, str]]:
         rl, kl = s.raw_lists(_RT_BLOCK, _RT_BLOCKS), s.kvt_lists(_RT_BLOCK, _RT_BLOCKS)
         idx = [np.array([i], np.int32) for i in rng.integers(0, _RT_BLOCKS, 64)]
         ids = [i.astype(np.int64) for i in idx]  # block ids as an engine holds them
+        lists = [i.tolist() for i in idx]
         for op in ("READ", "WRITE"):
             it = iter(range(1 << 62))
+            r, k = _alternate(args.lat_iters, lambda: s.raw_xfer(op, rl, idx[next(it) % 64], idx[0]),
+                              lambda: s.calls_xfer(op, rl, lists[next(it) % 64], lists[0]), batch=100)
+            rows.append((f"4 KiB round trip {op}: NIXL's calls alone (the floor)", f"{r * 1e6:.2f} us",
+                         f"{k * 1e6:.2f} us", f"{k / r:.3f}", "reported"))
             r, k = _alternate(args.lat_iters, lambda: s.raw_xfer(op, rl, idx[next(it) % 64], idx[0]),
                               lambda: s.kvt_xfer(ops[op], kl, idx[next(it) % 64], idx[0]), batch=100)
             rows.append((f"4 KiB round trip {op} (post + poll to DONE)", f"{r * 1e6:.2f} us",
