@@ -170,12 +170,7 @@ _PROC = XferState.PROC.status
 #: transfer failures that mean the peer may have gone (and may come back as a new process)
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
 _RECOVER_TIMEOUT = 2.0  # seconds an attempt may spend asking a lost peer for new metadata
-# Attempts on a peer that stays lost back off: the next is due after _RECOVER_FIRST seconds, doubled
-# per failed attempt up to _RECOVER_MAX, and after at least _RECOVER_SHARE times what the failed
-# attempt took: the callers they run in (posts, waits) lose at most about a tenth of their time to a
-# host that does not answer, and a refused port (a restart under way) is tried again within a second
-_RECOVER_FIRST, _RECOVER_MAX, _RECOVER_SHARE = 0.1, 1.0, 10
-_NOT_LOST = (math.inf, 0)
+_RECOVER_EVERY = 0.1    # seconds between attempts made by posts to a peer that stays lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,8 +355,8 @@ class Agent:
         # what wait_notif received while looking for another message, bounded as a backend's inbox
         self._pending = Inbox()
         self._reach: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
-        # peer -> (when the next attempt to recover it is due, attempts failed so far): it is still gone
-        self._lost: dict[str, tuple[float, int]] = {}
+        self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
+        self._recovering: dict[str, object] = {}  # peer -> the call making an attempt on it now
         self._moved: dict[str, str] = {}  # peer -> why it is gone for good (its route leads to another agent)
         self._discovery = None
         self._lock = threading.RLock()
@@ -509,10 +504,9 @@ class Agent:
         remembers it: when waiting on a transfer to the peer finds it failed as
         if the peer had gone (``PeerDisconnected``, ``TransferTimeout``), kvt
         reconnects the same way, and while it stays gone the next transfer to
-        it tries again first (for at most 2 s; a port nothing listens on, or
-        a host that does not accept a connection within 0.5 s, fails sooner;
-        attempts back off from 0.1 s to 1 s apart, and to ten times what the
-        last one took: docs/reliability.md), so a restarted peer is picked up
+        it tries again first (at most every 0.1 s, for at most 2 s; a port
+        nothing listens on fails at once, a host that does not accept a
+        connection within 0.5 s then), so a restarted peer is picked up
         with no call from the user, if it kept its agent name (a configured
         ``name``; one drawn at start changes with each restart).  Once the
         route leads to an agent of another name, transfers to the old name
@@ -588,27 +582,24 @@ class Agent:
             return old is None or old.metadata != info.metadata or old.layouts != info.layouts
 
     def _recover(self, peer: str) -> None:
-        """Look for a lost peer's new incarnation, unless the backoff says
-        the next attempt is not due yet (then nothing: a quick return)."""
-        start = time.monotonic()
-        due, failed = self._lost.get(peer, (start, 0))
-        if start < due or peer not in self._reach or peer in self._moved or self._closed:
+        """Look for a lost peer's new incarnation, unless another thread is
+        at it (then a quick return: the waits of a batch of failed transfers
+        make one attempt, not one each)."""
+        me = object()
+        if peer not in self._reach or peer in self._moved or self._closed \
+                or self._recovering.setdefault(peer, me) is not me:  # (setdefault: atomic)
             return
-        # claimed for the attempt's length: the waits of a batch of failed transfers make one attempt
-        self._lost[peer] = (start + _RECOVER_TIMEOUT, failed)
         try:
             self._reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT), hasty=True)
             self._lost.pop(peer, None)
         except KvtError as e:  # still gone: the caller sees the transfer's own error
-            end = time.monotonic()
             with self._peer_lock(peer):
-                if peer not in self._reach:  # removed meanwhile
-                    self._lost.pop(peer, None)
-                    return
-                pause = max(min(_RECOVER_FIRST * 2 ** min(failed, 16), _RECOVER_MAX), _RECOVER_SHARE * (end - start))
-                self._lost[peer] = (end + pause, failed + 1)
-                if isinstance(e, IncompatiblePeer):  # gone for good: no more attempts
-                    self._moved[peer] = str(e)
+                if peer in self._reach:  # (not if it was removed meanwhile)
+                    self._lost[peer] = time.monotonic()
+                    if isinstance(e, IncompatiblePeer):  # gone for good: no more attempts
+                        self._moved[peer] = str(e)
+        finally:
+            self._recovering.pop(peer, None)
 
     def _check_moved(self, peer: str, cause: BaseException | None = None) -> None:
         """``PeerDisconnected`` saying what to do if ``peer`` restarted under another name."""
@@ -697,7 +688,7 @@ class Agent:
             self._reap()
         if self._lost and type(peer) is str:
             self._check_moved(peer)
-            if time.monotonic() >= self._lost.get(peer, _NOT_LOST)[0]:  # (popped meanwhile: never)
+            if time.monotonic() - self._lost.get(peer, math.inf) >= _RECOVER_EVERY:  # (popped meanwhile: inf)
                 self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
                 self._check_moved(peer)
         rname = remote_layout or layout

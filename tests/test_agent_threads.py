@@ -128,7 +128,7 @@ def test_a_lost_peer_recovered_meanwhile_is_no_key_error(pair):
             self.pop(key, None)
             return found
 
-    a._lost = PoppedMeanwhile({name: (time.monotonic() - 1, 1)})
+    a._lost = PoppedMeanwhile({name: time.monotonic() - 1})
     with a.read_blocks(name, [0], [1]) as x:
         x.wait(5)
 

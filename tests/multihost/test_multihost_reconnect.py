@@ -84,7 +84,7 @@ def test_attempts_on_a_killed_peer_do_not_wait_out_the_handshake_timeout(net, no
     prefill.kill()
     assert decode.read(peer, [0], [0], salt=7).get("error") in LOST  # noticed (within the 3 s timeout)
     for _ in range(3):
-        time.sleep(0.15)  # past the first pause between attempts (0.1 s, then doubling): reads make some
+        time.sleep(0.15)  # past the 0.1 s between attempts: each read makes one
         t0 = time.monotonic()
         rep = decode.read(peer, [0], [0], salt=7)
         took = time.monotonic() - t0
@@ -100,8 +100,7 @@ def test_a_host_that_stops_answering_costs_its_callers_little(net, nodes, backen
     to reach it again, and each attempt waited out a connection (0.5 s) and
     then the handshake (2 s): a loop of transfers to it spent 2.5 s per
     transfer in attempts.  Now an attempt gives up when the host does not
-    accept a connection, and the next is due only after ten times what that
-    cost: the transfers after the first fail at once."""
+    accept the probe's connection (0.5 s)."""
     need_backend(backend)
     a, b = net.hosts
     prefill = nodes(a, "prefill", backend, salt=7, port=PORT, timeout=2.0)
@@ -116,7 +115,8 @@ def test_a_host_that_stops_answering_costs_its_callers_little(net, nodes, backen
             rep = decode.read(peer, [0], [0], salt=7, timeout=15)
             assert rep.get("error") in LOST, rep
         took = time.monotonic() - t0
-        assert took < 2.0, f"four transfers to a host that stopped answering took {took:.2f}s: attempts to " \
-                           "reach it again ran in every wait"
+        # an attempt that went on to the handshake would take 2.5 s: four of them 10 s
+        assert took < 4.0, f"four transfers to a host that stopped answering took {took:.2f}s: attempts to " \
+                           "reach it again waited for a handshake"
     finally:
         a.netem()
