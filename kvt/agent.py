@@ -504,9 +504,9 @@ class Agent:
         remembers it: when waiting on a transfer to the peer finds it failed as
         if the peer had gone (``PeerDisconnected``, ``TransferTimeout``), kvt
         reconnects the same way, and while it stays gone the next transfer to
-        it tries again first (at most every 0.1 s, for at most 2 s; a port
-        nothing listens on fails at once, a host that does not accept a
-        connection within 0.5 s then), so a restarted peer is picked up
+        it tries again first (at most every 0.1 s, for at most 2 s: an attempt
+        on a port nothing listens on fails at once, one on a host that does
+        not accept a connection after 0.5 s), so a restarted peer is picked up
         with no call from the user, if it kept its agent name (a configured
         ``name``; one drawn at start changes with each restart).  Once the
         route leads to an agent of another name, transfers to the old name
