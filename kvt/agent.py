@@ -170,7 +170,8 @@ _PROC = XferState.PROC.status
 #: transfer failures that mean the peer may have gone (and may come back as a new process)
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
 _RECOVER_TIMEOUT = 2.0  # seconds an attempt may spend asking a lost peer for new metadata
-_RECOVER_EVERY = 0.1    # seconds between attempts made by posts to a peer that stays lost
+_RECOVER_WAIT = 0.1     # seconds a post or wait on a lost peer waits for an attempt (a restart nearby: ms)
+_BACKOFF = (0.1, 1.0)   # seconds from a failed attempt to the next on a peer that stays lost: first, cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,9 +218,10 @@ class Transfer:
         ``KvtTimeoutError`` after ``timeout`` seconds (default:
         transfer_timeout + 5; 0 looks once; NaN, infinity or a non-number:
         ``InvalidArgument``).  Blocks on the backend's completion event where
-        it has one.  A failure that looks like the peer went away first tries,
-        briefly, to reconnect it (``Agent.reconnect``), so the next transfer
-        reaches a peer that restarted meanwhile."""
+        it has one.  A failure that looks like the peer went away first starts
+        an attempt to reconnect it (``Agent.reconnect``) and waits for it
+        0.1 s at most, so the next transfer reaches a peer that restarted
+        meanwhile."""
         t = self._agent.config.transfer_timeout + 5 if timeout is None else _seconds(timeout, "wait timeout")
         state = self.state()
         if state.pending:
@@ -355,8 +357,9 @@ class Agent:
         # what wait_notif received while looking for another message, bounded as a backend's inbox
         self._pending = Inbox()
         self._reach: dict[str, str] = {}  # peer -> how connect() reached it (endpoint or discovery name)
-        self._lost: dict[str, float] = {}  # peer -> when recovering it last failed (it is still gone)
-        self._recovering: dict[str, object] = {}  # peer -> the call making an attempt on it now
+        self._lost: dict[str, float] = {}  # peer -> when the next attempt on it may start (it is still gone)
+        self._backoff: dict[str, float] = {}  # peer -> the pause before that attempt
+        self._recovering: dict[str, threading.Event] = {}  # peer -> set when the attempt on it now ends
         self._moved: dict[str, str] = {}  # peer -> why it is gone for good (its route leads to another agent)
         self._discovery = None
         self._lock = threading.RLock()
@@ -504,9 +507,9 @@ class Agent:
         remembers it: when waiting on a transfer to the peer finds it failed as
         if the peer had gone (``PeerDisconnected``, ``TransferTimeout``), kvt
         reconnects the same way, and while it stays gone the next transfer to
-        it tries again first (at most every 0.1 s, for at most 2 s: an attempt
-        on a port nothing listens on fails at once, one on a host that does
-        not accept a connection after 0.5 s), so a restarted peer is picked up
+        it tries again first (each attempt on a thread of kvt's, waited for
+        0.1 s at most; after one that failed, a pause of 0.1 s, doubling to
+        1 s while the peer stays gone), so a restarted peer is picked up
         with no call from the user, if it kept its agent name (a configured
         ``name``; one drawn at start changes with each restart).  Once the
         route leads to an agent of another name, transfers to the old name
@@ -582,24 +585,51 @@ class Agent:
             return old is None or old.metadata != info.metadata or old.layouts != info.layouts
 
     def _recover(self, peer: str) -> None:
-        """Look for a lost peer's new incarnation, unless another thread is
-        at it (then a quick return: the waits of a batch of failed transfers
-        make one attempt, not one each)."""
-        me = object()
-        if peer not in self._reach or peer in self._moved or self._closed \
-                or self._recovering.setdefault(peer, me) is not me:  # (setdefault: atomic)
+        """Look for a lost peer's new incarnation on a thread of its own, and
+        wait for it ``_RECOVER_WAIT`` at most: a peer restarted nearby answers
+        within it, so the caller's next transfer reaches the new process,
+        while a host that does not answer or a frozen process costs each
+        caller that long, not the attempt's 0.5-2 s.  One attempt per peer at
+        a time (the waits of a batch of failed transfers share it), and a
+        pause after one that failed, doubling while the peer stays gone: a
+        call within ``_RECOVER_WAIT`` of its end waits for it, an earlier one
+        returns at once (its transfer fails fast)."""
+        if peer not in self._reach or peer in self._moved or self._closed:
             return
+        now = time.monotonic()
+        deadline, due = now + _RECOVER_WAIT, self._lost.get(peer, -math.inf)
+        if due > deadline:
+            return
+        done = self._recovering.get(peer)
+        if done is None:
+            if due > now:
+                time.sleep(max(0.0, due - time.monotonic()))
+            mine = threading.Event()
+            done = self._recovering.setdefault(peer, mine)  # (atomic: one caller makes the attempt)
+            if done is mine:
+                self._lost[peer] = time.monotonic()  # posts meanwhile wait for it too
+                threading.Thread(target=self._attempt, args=(peer, mine), name=f"kvt-recover-{peer}",
+                                 daemon=True).start()
+        done.wait(max(0.0, deadline - time.monotonic()))
+
+    def _attempt(self, peer: str, done: threading.Event) -> None:
         try:
             self._reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT), hasty=True)
-            self._lost.pop(peer, None)
-        except KvtError as e:  # still gone: the caller sees the transfer's own error
+        except Exception as e:  # still gone: the callers see their transfers' own errors
+            if not isinstance(e, KvtError):
+                log.warning("looking for a new incarnation of peer %r failed: %r", peer, e)
             with self._peer_lock(peer):
                 if peer in self._reach:  # (not if it was removed meanwhile)
-                    self._lost[peer] = time.monotonic()
+                    pause = min(self._backoff.get(peer, _BACKOFF[0] / 2) * 2, _BACKOFF[1])
+                    self._backoff[peer] = pause
+                    self._lost[peer] = time.monotonic() + pause
                     if isinstance(e, IncompatiblePeer):  # gone for good: no more attempts
                         self._moved[peer] = str(e)
+                else:
+                    self._lost.pop(peer, None)
         finally:
             self._recovering.pop(peer, None)
+            done.set()
 
     def _check_moved(self, peer: str, cause: BaseException | None = None) -> None:
         """``PeerDisconnected`` saying what to do if ``peer`` restarted under another name."""
@@ -633,6 +663,7 @@ class Agent:
             raise IncompatiblePeer(f"peer {info.name!r} uses backend {info.backend!r}, we use "
                                    f"{self.backend_name!r}; configure both sides with the same backend")
         with self._peer_lock(info.name):
+            self._check_open()  # again under the lock: close() waits for the loads of its own attempts
             with self._lock:  # posts meanwhile build their route again, in _route, after the reload
                 self._drop_preps(lambda peer, _: peer == info.name)
             name = self.backend.add_remote(info.metadata)
@@ -640,6 +671,7 @@ class Agent:
                 self._drop_preps(lambda peer, _: peer == name)
                 self._peers[name] = info
                 self._lost.pop(name, None)  # fresh metadata: not lost (nor gone for good) any more
+                self._backoff.pop(name, None)
                 self._moved.pop(name, None)
         return name
 
@@ -652,6 +684,7 @@ class Agent:
                 self._peers.pop(peer, None)
                 self._reach.pop(peer, None)
                 self._lost.pop(peer, None)
+                self._backoff.pop(peer, None)
                 self._moved.pop(peer, None)
             self.backend.remove_remote(peer)
 
@@ -688,9 +721,8 @@ class Agent:
             self._reap()
         if self._lost and type(peer) is str:
             self._check_moved(peer)
-            if time.monotonic() - self._lost.get(peer, math.inf) >= _RECOVER_EVERY:  # (popped meanwhile: inf)
-                self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
-                self._check_moved(peer)
+            self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
+            self._check_moved(peer)
         rname = remote_layout or layout
         key = (peer, layout, rname)
         try:
@@ -888,6 +920,12 @@ class Agent:
             if self._closed:
                 return
             self._closed = True
+            # an attempt on a lost peer (a thread of ours) may be loading it into the backend: let that
+            # end first (a load that starts later finds the agent closed)
+            for peer in list(self._recovering):
+                lock = self._peer_lock(peer)
+                if lock.acquire(timeout=self.config.transfer_timeout + 5):
+                    lock.release()
             if self._discovery is not None:
                 self._discovery.close()
             if self._server is not None:
