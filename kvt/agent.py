@@ -584,7 +584,7 @@ class Agent:
             self.add_peer(info)
             return old is None or old.metadata != info.metadata or old.layouts != info.layouts
 
-    def _recover(self, peer: str) -> None:
+    def _recover(self, peer: str, lost_only: bool = False) -> None:
         """Look for a lost peer's new incarnation on a thread of its own, and
         wait for it ``_RECOVER_WAIT`` at most: a peer restarted nearby answers
         within it, so the caller's next transfer reaches the new process,
@@ -593,11 +593,17 @@ class Agent:
         a time (the waits of a batch of failed transfers share it), and a
         pause after one that failed, doubling while the peer stays gone: a
         call within ``_RECOVER_WAIT`` of its end waits for it, an earlier one
-        returns at once (its transfer fails fast)."""
+        returns at once (its transfer fails fast).  ``lost_only``: nothing
+        for a peer not marked lost (a post; a failed transfer's wait marks
+        it)."""
         if peer not in self._reach or peer in self._moved or self._closed:
             return
-        now = time.monotonic()
-        deadline, due = now + _RECOVER_WAIT, self._lost.get(peer, -math.inf)
+        now, due = time.monotonic(), self._lost.get(peer)
+        if due is None:
+            if lost_only:  # (found again meanwhile, or a healthy peer while another is lost)
+                return
+            due = -math.inf
+        deadline = now + _RECOVER_WAIT
         if due > deadline:
             return
         done = self._recovering.get(peer)
@@ -615,6 +621,8 @@ class Agent:
     def _attempt(self, peer: str, done: threading.Event) -> None:
         try:
             self._reconnect(peer, min(self.config.handshake_timeout, _RECOVER_TIMEOUT), hasty=True)
+            self._lost.pop(peer, None)  # (add_peer did, unless a connect() reloaded it meanwhile)
+            self._backoff.pop(peer, None)
         except Exception as e:  # still gone: the callers see their transfers' own errors
             if not isinstance(e, KvtError):
                 log.warning("looking for a new incarnation of peer %r failed: %r", peer, e)
@@ -721,7 +729,7 @@ class Agent:
             self._reap()
         if self._lost and type(peer) is str:
             self._check_moved(peer)
-            self._recover(peer)  # a transfer to a lost peer would fail: first look for its new incarnation
+            self._recover(peer, lost_only=True)  # a transfer to a lost peer would fail: first look for it
             self._check_moved(peer)
         rname = remote_layout or layout
         key = (peer, layout, rname)

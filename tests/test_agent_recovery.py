@@ -219,6 +219,21 @@ def test_calls_during_an_attempt_wait_for_it(pair, monkeypatch):
     assert len(calls) == 2
 
 
+def test_a_post_to_a_healthy_peer_makes_no_attempt_while_another_is_lost(pair, monkeypatch):
+    """Posts look for a lost peer first; one to a peer that is not lost
+    must not start an attempt (a reload of a healthy peer) because some
+    other peer is."""
+    a, peer = pair
+    with Agent(name="c") as c:
+        c.register_blocks("kv", [np.zeros((4, 64), np.uint8)])
+        healthy = a.connect(c.listen())
+        fetches = _count(monkeypatch, "fetch_info")
+        a._lost[peer], a._backoff[peer] = time.monotonic() + 60, 1.0  # lost, in a long pause
+        a.read_blocks(healthy, [0], [1]).wait(10)
+        _settle(a, healthy)
+        assert not fetches, "a post to a healthy peer asked it for its metadata again"
+
+
 def test_close_waits_for_an_attempt_loading_the_peer(pair, monkeypatch):
     """An attempt runs on a thread of the agent's: ``close()`` must not close
     the backend under its ``add_remote``.  It waits for the load to end, and
