@@ -105,7 +105,8 @@ def test_the_waits_of_many_failed_transfers_make_one_attempt(pair, monkeypatch):
     """Every ``wait()`` of a transfer that failed as if the peer had gone
     ran an attempt of its own: a batch of such transfers waited on by
     several threads made as many attempts at once, each up to 2 s on a host
-    that was down.  The first claims the attempt; the others return."""
+    that was down.  The first claims the attempt; the others make none
+    (they wait for it, ``_RECOVER_WAIT`` at most)."""
     a, peer = pair
     calls, entered, go = _held_fetch(monkeypatch)
     a._recover(peer)
@@ -236,8 +237,7 @@ def test_a_post_to_a_healthy_peer_makes_no_attempt_while_another_is_lost(pair, m
 
 def test_close_waits_for_an_attempt_loading_the_peer(pair, monkeypatch):
     """An attempt runs on a thread of the agent's: ``close()`` must not close
-    the backend under its ``add_remote``.  It waits for the load to end, and
-    a load that starts later finds the agent closed."""
+    the backend under its ``add_remote``: it waits for the load to end."""
     a, peer = pair
     monkeypatch.setattr(agent_mod, "_RECOVER_WAIT", 0.0)
     entered, go, order = threading.Event(), threading.Event(), []

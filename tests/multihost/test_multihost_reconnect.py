@@ -101,7 +101,7 @@ def test_a_host_that_stops_answering_costs_its_callers_little(net, nodes, backen
     then the handshake (2 s): a loop of transfers to it spent 2.5 s per
     transfer in attempts.  An attempt then gave up when the host did not
     accept the probe's connection (0.5 s per transfer); now attempts run
-    off the caller's thread, which waits for one 0.2 s at most, and back
+    off the caller's thread, which waits for one 0.1 s at most, and back
     off while the host stays down."""
     need_backend(backend)
     a, b = net.hosts
