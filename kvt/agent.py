@@ -172,6 +172,7 @@ _PEER_LOST = (PeerDisconnected, TransferTimeout)
 _RECOVER_TIMEOUT = 2.0  # seconds an attempt may spend asking a lost peer for new metadata
 _RECOVER_WAIT = 0.1     # seconds a post or wait on a lost peer waits for an attempt (a restart nearby: ms)
 _BACKOFF = (0.1, 1.0)   # seconds from a failed attempt to the next on a peer that stays lost: first, cap
+_MAX_ATTEMPTS = 4       # attempts (threads) at once per agent: many peers lost together are looked for in turns
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +361,7 @@ class Agent:
         self._lost: dict[str, float] = {}  # peer -> when the next attempt on it may start (it is still gone)
         self._backoff: dict[str, float] = {}  # peer -> the pause before that attempt
         self._recovering: dict[str, threading.Event] = {}  # peer -> set when the attempt on it now ends
+        self._attempt_slots = threading.BoundedSemaphore(_MAX_ATTEMPTS)  # one per attempt running
         self._moved: dict[str, str] = {}  # peer -> why it is gone for good (its route leads to another agent)
         self._discovery = None
         self._lock = threading.RLock()
@@ -593,9 +595,10 @@ class Agent:
         a time (the waits of a batch of failed transfers share it), and a
         pause after one that failed, doubling while the peer stays gone: a
         call within ``_RECOVER_WAIT`` of its end waits for it, an earlier one
-        returns at once (its transfer fails fast).  ``lost_only``: nothing
-        for a peer not marked lost (a post; a failed transfer's wait marks
-        it)."""
+        returns at once (its transfer fails fast).  At most ``_MAX_ATTEMPTS``
+        attempts run at once: past that a call returns at once too, and the
+        peer's attempt waits for a later call.  ``lost_only``: nothing for a
+        peer not marked lost (a post; a failed transfer's wait marks it)."""
         if peer not in self._reach or peer in self._moved or self._closed:
             return
         now, due = time.monotonic(), self._lost.get(peer)
@@ -610,12 +613,22 @@ class Agent:
         if done is None:
             if due > now:
                 time.sleep(max(0.0, due - time.monotonic()))
+            if not self._attempt_slots.acquire(blocking=False):  # other peers are being looked for
+                self._lost.setdefault(peer, now)  # due: a later call (a post too) makes the attempt
+                return
             mine = threading.Event()
             done = self._recovering.setdefault(peer, mine)  # (atomic: one caller makes the attempt)
-            if done is mine:
+            if done is not mine:
+                self._attempt_slots.release()
+            else:
                 self._lost[peer] = time.monotonic()  # posts meanwhile wait for it too
-                threading.Thread(target=self._attempt, args=(peer, mine), name=f"kvt-recover-{peer}",
-                                 daemon=True).start()
+                try:
+                    threading.Thread(target=self._attempt, args=(peer, mine), name=f"kvt-recover-{peer}",
+                                     daemon=True).start()
+                except RuntimeError as e:  # no thread to be had (a process at its limit): on a later call
+                    log.warning("no thread to look for lost peer %r: %s", peer, e)
+                    self._attempt_ended(peer, mine)
+                    return
         done.wait(max(0.0, deadline - time.monotonic()))
 
     def _attempt(self, peer: str, done: threading.Event) -> None:
@@ -636,8 +649,12 @@ class Agent:
                 else:
                     self._lost.pop(peer, None)
         finally:
-            self._recovering.pop(peer, None)
-            done.set()
+            self._attempt_ended(peer, done)
+
+    def _attempt_ended(self, peer: str, done: threading.Event) -> None:
+        self._recovering.pop(peer, None)
+        self._attempt_slots.release()
+        done.set()
 
     def _check_moved(self, peer: str, cause: BaseException | None = None) -> None:
         """``PeerDisconnected`` saying what to do if ``peer`` restarted under another name."""

@@ -264,3 +264,59 @@ def test_close_waits_for_an_attempt_loading_the_peer(pair, monkeypatch):
     go.set()
     closer.join(10)
     assert order == ["add_remote", "close"]
+
+
+def test_peers_lost_together_are_looked_for_a_few_at_a_time(pair, monkeypatch):
+    """An attempt is a thread: an agent whose many peers died at once (a
+    rack lost its power) started one per peer its callers still posted to.
+    At most ``_MAX_ATTEMPTS`` run at once; calls about the other peers
+    return at once and mark them lost, and a later call makes their
+    attempt once a slot is free."""
+    a, peer = pair
+    monkeypatch.setattr(agent_mod, "_RECOVER_WAIT", 0.0)
+    calls, entered, go = _held_fetch(monkeypatch)
+    most = agent_mod._MAX_ATTEMPTS
+    ghosts = [f"ghost-{i}" for i in range(most + 3)]
+    for g in ghosts:
+        a._reach[g] = a._reach[peer]  # each answers as a frozen process would (held)
+    try:
+        for g in ghosts:
+            a._recover(g)
+        deadline = time.monotonic() + 10
+        while len(calls) < most and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # an attempt past the bound would have started by now
+        running = [t for t in threading.enumerate() if t.name.startswith("kvt-recover-")]
+        assert len(calls) == most and len(running) == most, f"{len(running)} attempts at once (at most {most})"
+        assert sorted(a._recovering) == sorted(ghosts[:most])
+        assert all(g in a._lost for g in ghosts), "a peer left without an attempt was not marked lost"
+    finally:
+        go.set()
+    for g in ghosts[:most]:
+        _settle(a, g)
+    a._recover(ghosts[-1], lost_only=True)  # a post to a peer whose turn had not come
+    _settle(a, ghosts[-1])
+    assert len(calls) == most + 1, "a peer turned away at the bound was not looked for once a slot was free"
+
+
+def test_no_thread_for_an_attempt_leaves_nothing_claimed(pair, monkeypatch):
+    """A process at its thread limit cannot start the attempt: the call
+    returns (its transfer fails as it would have), and neither the peer's
+    claim nor a slot stays taken, so a later call makes the attempt."""
+    a, peer = pair
+    fetches = _count(monkeypatch, "fetch_info", HandshakeError("no answer (test)"))
+    real_start = threading.Thread.start
+
+    def no_thread(self):
+        if self.name.startswith("kvt-recover-"):
+            raise RuntimeError("can't start new thread (test)")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    for _ in range(agent_mod._MAX_ATTEMPTS + 1):
+        a._recover(peer)
+    assert not a._recovering and not fetches
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    a._recover(peer)
+    _settle(a, peer)
+    assert len(fetches) == 1, "the attempt was not made once a thread could be had"
