@@ -383,7 +383,7 @@ def test_bench_ctrl_c_stops_children_and_removes_its_files(group):
     (["--timeout", "nan"], "--timeout"), (["--timeout", "inf"], "--timeout"), (["--timeout", "0"], "--timeout"),
     (["--timeout", "-1"], "--timeout"), (["--blocks", "100000000000"], "memory"),
     (["--engine", "--layers", "0"], "--layers"), (["--engine", "--timeout", "nan"], "--timeout"),
-    (["--engine", "--blocks", "0"], "--blocks"),
+    (["--engine", "--blocks", "0"], "--blocks"), (["--in-process"], "use it with --engine"),
     # a backend that reaches only its own process (before: both processes started, then one failed)
     (["--backend", "example"], "remote=False"), (["--engine", "--backend", "example"], "remote=False"),
 ])

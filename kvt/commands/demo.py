@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "block verified; prints per-request latency and total throughput")
     p.add_argument("--requests", type=int, default=16,
                    help=f"with --engine: how many requests; at most {MAX_COUNTS['requests']:,}")
+    p.add_argument("--in-process", action="store_true",
+                   help="with --engine: run the decode worker in this process, as vLLM runs a single-GPU "
+                        "engine's (the prefill worker stays a process of its own)")
     add_config_arguments(p)
     p.set_defaults(func=run)
 
@@ -49,6 +52,8 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) > limit:
             raise InvalidArgument(f"--{name} must be at most {limit:,}, got {getattr(args, name):,}")
     check_seconds(args.timeout, "--timeout")
+    if args.in_process and not args.engine:
+        raise InvalidArgument("--in-process applies to the reference engine only: use it with --engine")
     # each side's cache: layers x blocks x (K, V) x heads x tokens x head dim, float16
     side = args.layers * args.blocks * 2 * args.heads * args.block_size * args.head_dim * 2
     have = physical_memory()
@@ -80,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         return engine_demo(backend=backend, backend_options=options, requests=args.requests,
                            layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                            block_size=args.block_size, blocks=args.blocks, max_request_blocks=args.request_blocks,
-                           timeout=args.timeout, as_json=args.json)
+                           timeout=args.timeout, as_json=args.json, in_process=args.in_process)
     if not 0 < args.request_blocks <= args.blocks:
         raise InvalidArgument(f"--request-blocks must be in 1..--blocks ({args.blocks}), got {args.request_blocks}")
     spec = DemoSpec(config=config, layers=args.layers, blocks=args.blocks, heads=args.heads,

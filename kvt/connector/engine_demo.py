@@ -14,20 +14,23 @@ __all__ = ["engine_demo"]
 
 def engine_demo(*, backend: str, backend_options: dict, requests: int, layers: int, heads: int, head_dim: int,
                 block_size: int, blocks: int, max_request_blocks: int, timeout: float, as_json: bool = False,
-                echo=print) -> int:
+                in_process: bool = False, echo=print) -> int:
     """Run the demo and print its report; the exit code (0: every request
-    decoded with verified contents and nothing leaked)."""
+    decoded with verified contents and nothing leaked).  ``in_process``: the
+    decode worker runs in this process, as vLLM runs a single-GPU engine's."""
     model = ToyModel(layers=layers, kv_heads=heads, head_dim=head_dim, block_size=block_size, name="demo")
     specs = mixed_requests(requests, block_size, max_request_blocks, seed=0)
     engine = {"model": model, "num_blocks": blocks, "backend": backend, "backend_options": dict(backend_options)}
-    report = run_pd(EngineSpec("prefill", **engine), EngineSpec("decode", **engine), specs, timeout=timeout)
+    report = run_pd(EngineSpec("prefill", **engine), EngineSpec("decode", **engine, in_process=in_process), specs,
+                    timeout=timeout)
     results = list(report.results.values())
     good = all(r.status == "ok" and r.mismatches == 0 for r in results) and not report.leaks
     if as_json:
         echo(json.dumps(summary(report), indent=2))
         return 0 if good else 1
     lens = {s.request_id: s.prompt_len for s in specs}
-    echo(f"kvt demo --engine  backend={backend}  prefill TP1 -> decode TP1 (reference engine, worker processes)")
+    where = "decode worker in this process" if in_process else "worker processes"
+    echo(f"kvt demo --engine  backend={backend}  prefill TP1 -> decode TP1 (reference engine, {where})")
     echo("  latency: load = decode read scheduled -> loaded; end-to-end = prefill admitted -> decode verified")
     echo(f"  {'request':<10} {'tokens':>7} {'blocks read':>12} {'load ms':>9} {'end-to-end ms':>14}  status")
     for r in results:

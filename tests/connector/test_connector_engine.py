@@ -9,6 +9,7 @@ handshake is left anywhere (``Report.leaks``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -244,6 +245,20 @@ def test_kvt_demo_engine_prints_latency_and_throughput(capsys):
     assert code == 0, out
     assert out.count(" ok") >= 5 and "end-to-end  median" in out and "throughput" in out and "requests/s" in out
     assert "OK: every decoded block verified, nothing leaked" in out
+
+
+def test_kvt_demo_engine_in_process_runs_the_decode_worker_here(capsys):
+    """``kvt demo --engine --in-process``: the decode worker in the
+    command's own process (as vLLM runs tp=1), the prefill worker apart."""
+    from kvt.cli import main
+
+    code = main(["demo", "--engine", "--in-process", "--json", "--backend", "host", "--requests", "3", "--layers",
+                 "2", "--heads", "2", "--head-dim", "16", "--block-size", "4", "--blocks", "64",
+                 "--request-blocks", "8"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and all(r["status"] == "ok" and r["mismatches"] == 0 for r in out["results"]), out
+    assert [w["pid"] for w in out["workers"]["decode"]] == [os.getpid()]
+    assert out["workers"]["prefill"][0]["pid"] != os.getpid()
 
 
 def test_a_decode_worker_in_the_engines_process():
