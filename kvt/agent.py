@@ -35,6 +35,20 @@ from .errors import (AuthenticationError, ClosedError, ConfigError, HandshakeErr
                      InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError, PeerDisconnected,
                      ServerBusy, TransferTimeout, UnknownPeer, UnsupportedOperation, WireError)
 from . import integrity
+
+# the post path (Agent.transfer_blocks, Transfer.state/release) in C; the pure-Python twins below
+# run where it is not built, or with KVT_NATIVE=0 (both run the whole test suite)
+_fastpath = None
+if os.environ.get("KVT_NATIVE", "1") == "0":
+    POST_PATH_REASON = "KVT_NATIVE=0 forces the pure-Python post path"
+else:
+    try:
+        from . import _fastpath
+        POST_PATH_REASON = "C extension kvt._fastpath"
+    except ImportError as e:  # an install that skipped building extensions
+        POST_PATH_REASON = f"kvt._fastpath did not load ({e}); reinstall kvt with gcc and the Python headers present"
+#: ``"native"`` or ``"python"``: which post path ``Agent.transfer_blocks`` takes
+POST_PATH = "native" if _fastpath is not None else "python"
 from .handshake import HandshakeServer, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
 from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
@@ -186,10 +200,9 @@ class Telemetry:
     xfer_s: float | None  #: seconds from the post to completion first seen (None while pending)
 
 
-class Transfer:
-    """A posted transfer: poll with ``state()``, block with ``wait()``, or
-    ``await`` it from a coroutine.  ``release()`` it (or use it as a context
-    manager); one dropped unreleased is released by its agent later."""
+class _PyTransferCore:
+    """Transfer's fields, ``state()``, ``release()`` and finalizer: the
+    pure-Python twin of ``kvt._fastpath.TransferCore``."""
 
     __slots__ = ("_agent", "_backend", "handle", "nbytes", "descs", "peer", "verify",
                  "_t0", "_t1", "_t2", "_live")
@@ -213,6 +226,43 @@ class Transfer:
         if self._t2 is None and s.status is not _PROC:
             self._t2 = perf_counter_ns()
         return s
+
+    def release(self) -> None:
+        """Free the handle.  Releasing a transfer in flight stops it where the
+        backend can, else waits for its posted bytes (bounded by the backend's
+        timeout).  Idempotent for this object, and nothing to do once the
+        agent is closed (``close`` released every handle)."""
+        try:
+            self._live.pop()  # one thread wins; a concurrent second release finds it empty
+        except IndexError:
+            return
+        if self._agent._closed:
+            return
+        try:
+            self._backend.release(self.handle)
+        except ClosedError:  # closed meanwhile: close released it
+            pass
+
+    def __del__(self):
+        # dropped unreleased (``read_blocks(...).wait()``, ``await read_blocks(...)``): the
+        # agent releases it on its next post; never from here, since a finalizer may run
+        # inside a backend call that holds the backend's lock
+        try:
+            if self._live and not self._agent._closed:
+                self._agent._orphans.append(self.handle)
+        except AttributeError:  # half-built, or torn down at interpreter exit
+            pass
+
+
+_TransferCore = _PyTransferCore if _fastpath is None else _fastpath.TransferCore
+
+
+class Transfer(_TransferCore):
+    """A posted transfer: poll with ``state()``, block with ``wait()``, or
+    ``await`` it from a coroutine.  ``release()`` it (or use it as a context
+    manager); one dropped unreleased is released by its agent later."""
+
+    __slots__ = ()
 
     def wait(self, timeout: float | None = None) -> None:
         """Until ``DONE``; raises the ``TransferError`` cause on ``ERR``,
@@ -264,37 +314,11 @@ class Transfer:
         return Telemetry(self.nbytes, self.descs, (self._t1 - self._t0) / 1e9,
                          None if self._t2 is None else (self._t2 - self._t1) / 1e9)
 
-    def release(self) -> None:
-        """Free the handle.  Releasing a transfer in flight stops it where the
-        backend can, else waits for its posted bytes (bounded by the backend's
-        timeout).  Idempotent for this object, and nothing to do once the
-        agent is closed (``close`` released every handle)."""
-        try:
-            self._live.pop()  # one thread wins; a concurrent second release finds it empty
-        except IndexError:
-            return
-        if self._agent._closed:
-            return
-        try:
-            self._backend.release(self.handle)
-        except ClosedError:  # closed meanwhile: close released it
-            pass
-
     def _release_quietly(self) -> None:
         try:
             self.release()
         except KvtError as e:  # the caller sees its cancellation; this is only worth a log line
             log.debug("releasing cancelled transfer %s: %s", self.handle, e)
-
-    def __del__(self):
-        # dropped unreleased (``read_blocks(...).wait()``, ``await read_blocks(...)``): the
-        # agent releases it on its next post; never from here, since a finalizer may run
-        # inside a backend call that holds the backend's lock
-        try:
-            if self._live and not self._agent._closed:
-                self._agent._orphans.append(self.handle)
-        except AttributeError:  # half-built, or torn down at interpreter exit
-            pass
 
     def __enter__(self):
         return self
@@ -303,11 +327,29 @@ class Transfer:
         self.release()
 
 
-class _Route:
+class _PyRouteCore:
+    __slots__ = ("lprep", "rprep", "block_len", "nblocks", "rnblocks", "lregions", "rregions")
+
+
+class _PyAgentCore:
+    """The fields of Agent that its post path reads: the pure-Python twin
+    of ``kvt._fastpath.AgentCore`` (whose ``transfer_blocks`` takes the
+    common case in C and hands the rest to ``Agent._transfer_blocks``)."""
+
+    __slots__ = ("backend", "_routes", "_lost", "_orphans", "_notif_seal", "_closed", "_integrity")
+
+
+if _fastpath is None:
+    _RouteCore, _AgentCore = _PyRouteCore, _PyAgentCore
+else:
+    _RouteCore, _AgentCore = _fastpath.RouteCore, _fastpath.AgentCore
+
+
+class _Route(_RouteCore):
     """A checked (peer, local layout, remote layout) pairing with both sides
     prepped: what every transfer between them reuses."""
 
-    __slots__ = ("lprep", "rprep", "block_len", "nblocks", "rnblocks", "lregions", "rregions")
+    __slots__ = ()
 
     def __init__(self, lprep: PrepHandle, rprep: PrepHandle, mine: BlockLayout, theirs: BlockLayout):
         self.lprep, self.rprep, self.block_len, self.nblocks = lprep, rprep, mine.block_len, mine.num_blocks
@@ -322,7 +364,7 @@ def _region_offsets(layout: BlockLayout) -> np.ndarray | None:
     return None if n == 1 else (np.arange(n, dtype=np.int64) * layout.num_blocks)[:, None]
 
 
-class Agent:
+class Agent(_AgentCore):
     """One backend plus its peers.  ``backend``/``options`` override the
     configuration (``KVT_BACKEND``, ``KVT_CONFIG``); ``config`` replaces it."""
 
@@ -374,6 +416,7 @@ class Agent:
         self._notif_lock = threading.Lock()
         self._close_lock = threading.Lock()  # a second close() returns once the first is done
         self._server: HandshakeServer | None = None
+        self._integrity = bool(self.config.integrity)  # (the post path's copy of the setting)
         self._closed = False
 
     # -- memory ---------------------------------------------------------------
@@ -736,9 +779,10 @@ class Agent:
         """Push our ``local_ids`` blocks into the peer's ``remote_ids`` blocks."""
         return self.transfer_blocks(Op.WRITE, peer, local_ids, remote_ids, layout, notif, remote_layout)
 
-    def transfer_blocks(self, op: Op, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
-                        notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
-        # The hot path: a few lookups, one backend call, one Transfer.
+    def _transfer_blocks(self, op: Op, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
+                         notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
+        """``transfer_blocks`` whole: with the C post path, the calls its common
+        case does not cover (kvt/_fastpath.c)."""
         t0 = perf_counter_ns()
         if self._closed:
             self._check_open()
@@ -965,3 +1009,9 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"Agent({self.name!r}, backend={self.backend_name!r}, peers={len(self._peers)})"
+
+
+if _fastpath is None:
+    Agent.transfer_blocks = Agent._transfer_blocks
+else:
+    _fastpath.setup(Transfer, ClosedError, InvalidHandle, _PROC)

@@ -163,12 +163,13 @@ def test_option_values_parse_as_json_else_text(tmp_path):
 
 
 def test_backends_table_names_the_copy_engine_and_page_kind(capsys, monkeypatch):
-    from kvt import memcopy, memory
+    from kvt import agent, memcopy, memory
 
     assert cli.main(["backends"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"copy engine: {memcopy.ENGINE} (" in out
     assert f"non-temporal stores: {memcopy.STREAMING}" in out
+    assert f"post path: {agent.POST_PATH} (" in out
     assert f"shared segments: {memory.page_policy()[0]} pages (" in out
     monkeypatch.setenv("KVT_HUGEPAGES", "0")
     assert cli.main(["backends"]) == 0

@@ -16,7 +16,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from .. import memcopy, memory, registry
+from .. import agent, memcopy, memory, registry
 from ..config import load_config
 from ..errors import BackendLoadError, ConfigError
 from ..types import Availability, Capabilities, MemKind, Op
@@ -111,6 +111,7 @@ def _print_table(rows: list[registry.BackendStatus], show_missing: bool) -> None
     console.print(Text.assemble(("copy engine: ", "bold"), f"{memcopy.ENGINE} ({memcopy.ENGINE_REASON}); "
                                 f"{memcopy.THREADS} threads per large request, {memcopy.BACKGROUND_THREADS} "
                                 f"off the posting thread; non-temporal stores: {memcopy.STREAMING}"))
+    console.print(Text.assemble(("post path: ", "bold"), f"{agent.POST_PATH} ({agent.POST_PATH_REASON})"))
     console.print(Text.assemble(("shared segments: ", "bold"), f"{kind} pages ({why})"))
     console.print(Text.assemble(("configured: ", "bold"), _configured(rows)))
     installed = {s.info.name for s in rows}
