@@ -28,6 +28,7 @@ kvt error.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Mapping
@@ -56,13 +57,33 @@ _PROC, _DONE = XferState.PROC, XferState.DONE
 _READ, _WRITE = Op.READ, Op.WRITE
 _ND, _I32, _I64 = np.ndarray, np.dtype(np.int32), np.dtype(np.int64)
 _FEW = 16  # up to this many int64 ids go to NIXL as a list: cheaper than a checked numpy cast
+
+# the hot path's common case in C (kvt_nixl/_fastpath.c); NixlBackend._transfer and _check_state are
+# its pure-Python twins, and take every other case (KVT_NATIVE=0 forces them, as for kvt's own)
+_fastpath = None
+if os.environ.get("KVT_NATIVE", "1") != "0":
+    try:
+        from . import _fastpath
+    except ImportError:  # an install that skipped building extensions
+        pass
 _NEVER = float("inf")
 _MAX_ROWS = 2**31 - 1  # NIXL indexes descriptors with 32-bit ints
 #: removed peers kept loaded in NIXL for a re-add (see NixlBackend._parked); past it the oldest is unloaded
 MAX_PARKED = 1024
 
 
-class _Prep:
+class _PyPrepCore:
+    __slots__ = ("peer", "descs", "side", "target", "old", "_all", "epoch", "released")
+
+
+class _PyNixlCore:
+    __slots__ = ()
+
+
+_PrepCore, _NixlCore = (_PyPrepCore, _PyNixlCore) if _fastpath is None else (_fastpath.PrepCore, _fastpath.NixlCore)
+
+
+class _Prep(_PrepCore):
     """A prepped list and NIXL's handles for it.
 
     ``side`` is the handle for when the list is the local side of a
@@ -73,7 +94,7 @@ class _Prep:
     deregistration stay alive in ``old`` until the prep is released: another
     thread may be posting with them at this very moment."""
 
-    __slots__ = ("peer", "descs", "side", "target", "old", "_all", "epoch", "released")
+    __slots__ = ()
 
     def __init__(self, peer: str | None, descs: Descs, epoch: EpochWatch | None = None):
         self.peer, self.descs, self.epoch = peer, descs, epoch  # epoch: a same-host peer's (kvt.epoch)
@@ -101,7 +122,7 @@ class _Xfer:
         self.handle, self.peer, self.deadline, self.state = handle, peer, _NEVER, state
 
 
-class NixlBackend(Backend):
+class NixlBackend(_NixlCore, Backend):
     """kvt backend over ``nixl._api.nixl_agent``.
 
     Options (all optional): ``backends`` (NIXL plugins, default
@@ -171,6 +192,8 @@ class NixlBackend(Backend):
         nb = native.api().nixlBind
         self._read, self._write = nb.NIXL_READ, nb.NIXL_WRITE
         self._ok, self._inprog = nb.NIXL_SUCCESS, nb.NIXL_IN_PROG
+        if _fastpath is not None:  # where the C post path copies a few int64 ids for NIXL (under _nixl)
+            self._scratch = tuple(tuple(np.empty(n, np.int32) for n in range(1, _FEW + 1)) for _side in "lr")
 
     # -- memory ---------------------------------------------------------------
 
@@ -423,10 +446,11 @@ class NixlBackend(Backend):
 
     # -- transfers ------------------------------------------------------------
 
-    def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
-                 remote_idx: Any, notif: bytes | None = None) -> XferHandle:
+    def _transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
+                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
         # The hot path: only what NIXL does not check itself; argument errors
-        # NIXL finds are explained precisely in _refused.
+        # NIXL finds are explained precisely in _refused.  (With the C post path,
+        # the cases its common one does not cover.)
         if self._closed:
             self._check_open()
         if notif is not None or (op is not _READ and op is not _WRITE):
@@ -475,21 +499,14 @@ class NixlBackend(Backend):
                     except Exception as e:
                         perr = e
                     else:
+                        s = None
                         try:
                             s = self._post(xh, b"")
                         except Exception as e:  # e.g. the peer is already gone
                             perr = e
-                        if perr is not None:
-                            x = _Xfer(xh, rp.peer, XferState.err(native.translate(
-                                perr, f"posting a {op.value} to {rp.peer or 'this agent'}", TransferError)))
-                        elif s == self._ok:  # small or same-host (cma) copies finish within the post:
-                            x = xh           # NIXL's int handle alone is the cheapest record of that
-                        else:
-                            x = _Xfer(xh, rp.peer)
-                            if s != self._inprog:
-                                self._poll_locked(x)  # NIXL says why when asked
-                            else:
-                                x.deadline = time.monotonic() + self.timeout
+                        # small or same-host (cma) copies finish within the post: NIXL's int handle
+                        # alone is the cheapest record of that
+                        x = xh if perr is None and s == self._ok else self._record(xh, s, perr, op, rp)
                         h = next(self._ids)  # the base class's id space (a C iterator: atomic under the GIL)
                         self._xfers[h] = x
             if not stale:
@@ -500,6 +517,20 @@ class NixlBackend(Backend):
         if xh is None:
             return self._refused(perr, op, lp, li, rp, ri, notif)
         return h  # type: ignore[return-value]  (XferHandle is an int)
+
+    def _record(self, xh: Any, s: Any, perr: Exception | None, op: Op, rp: _Prep) -> _Xfer:
+        """The record of a posted transfer that did not finish within its
+        post (``s``: its status; ``perr``: why the post raised); the caller
+        holds ``_nixl``."""
+        if perr is not None:
+            return _Xfer(xh, rp.peer, XferState.err(native.translate(
+                perr, f"posting a {op.value} to {rp.peer or 'this agent'}", TransferError)))
+        x = _Xfer(xh, rp.peer)
+        if s != self._inprog:
+            self._poll_locked(x)  # NIXL says why when asked
+        else:
+            x.deadline = time.monotonic() + self.timeout
+        return x
 
     def _refused(self, e: Exception, op: Op, lp: _Prep, li: Any, rp: _Prep, ri: Any,
                  notif: bytes | None) -> XferHandle:
@@ -530,7 +561,7 @@ class NixlBackend(Backend):
                 f"peer {peer!r} stopped answering; re-add its metadata to try again")))
         return h  # type: ignore[return-value]
 
-    def check_state(self, handle: XferHandle) -> XferState:
+    def _check_state(self, handle: XferHandle) -> XferState:
         if self._closed:
             self._check_open()
         try:
@@ -546,6 +577,9 @@ class NixlBackend(Backend):
                 self._check_open()
                 raise InvalidHandle(f"no transfer with handle {handle!r} (released meanwhile)")
         return x.state
+
+    if _fastpath is None:  # else NixlCore's, which hand what they do not cover to these
+        transfer, check_state = _transfer, _check_state
 
     def _poll(self, x: _Xfer) -> None:
         with self._nixl:
@@ -760,3 +794,7 @@ def _rows(idx: Any, prep: _Prep, what: str) -> np.ndarray:
     if getattr(idx, "dtype", None) is _I32 and type(idx) is _ND:
         return idx
     return as_index(idx, len(prep.descs), what).astype(np.int32)
+
+
+if _fastpath is not None:
+    _fastpath.setup(_READ, _WRITE, _Xfer, _DONE, np.ndarray)
