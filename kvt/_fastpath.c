@@ -204,13 +204,13 @@ Agent_transfer_blocks(AgentCore *self, PyObject *const *args, Py_ssize_t nargs, 
         n = len;
     }
     /* the route may be replaced (and freed) by another thread while the backend runs */
-    Py_INCREF(route);
-    PyObject *backend = self->backend;
-    Py_INCREF(backend);
-    PyObject *call[8] = {NULL, backend, op, route->lprep, lids, route->rprep, rids, notif};
-    PyObject *h = PyObject_VectorcallMethod(s_transfer, call + 1, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     long long block_len = route->block_len;
-    Py_DECREF(route);
+    PyObject *backend = Py_NewRef(self->backend), *lprep = Py_NewRef(route->lprep);
+    PyObject *rprep = Py_NewRef(route->rprep);
+    PyObject *call[8] = {NULL, backend, op, lprep, lids, rprep, rids, notif};
+    PyObject *h = PyObject_VectorcallMethod(s_transfer, call + 1, 7 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(lprep);
+    Py_DECREF(rprep);
     if (h == NULL) {
         Py_DECREF(backend);
         if (PyErr_ExceptionMatches(invalid_handle)) {  /* a prep released under the post: nothing was posted */

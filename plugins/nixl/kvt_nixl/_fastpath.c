@@ -275,6 +275,10 @@ Core_transfer(NixlCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
         || self->post == NULL || self->post == Py_None || self->ok == NULL || self->ids == NULL)
         goto slow;
     PyObject *op = args[0];
+    /* int handles: their lookups run no Python code, so no other thread can drop the preps we
+       read before we hold them (another kind of handle, e.g. a subclass: the Python path) */
+    if (!PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[3]))
+        goto slow;
     PyObject *lpo = PyDict_GetItemWithError(self->preps, args[1]);
     PyObject *rpo = lpo ? PyDict_GetItemWithError(self->preps, args[3]) : NULL;
     if (rpo == NULL) {
