@@ -228,8 +228,9 @@ Agent_transfer_blocks(AgentCore *self, PyObject *const *args, Py_ssize_t nargs, 
 static PyMethodDef Agent_methods[] = {
     {"transfer_blocks", (PyCFunction)(void (*)(void))Agent_transfer_blocks, METH_FASTCALL | METH_KEYWORDS,
      "transfer_blocks(op, peer, local_ids, remote_ids, layout='kv', notif=None, remote_layout=None)\n--\n\n"
-     "Post ``op`` of blocks ``local_ids`` here and ``remote_ids`` at ``peer``;\n"
-     "returns a Transfer."},
+     "``op`` (READ pulls, WRITE pushes) between our ``local_ids`` blocks of\n"
+     "``layout`` and the peer's ``remote_ids`` blocks of ``remote_layout``\n"
+     "(default: the same name); ``notif`` reaches the peer after the bytes."},
     {NULL}
 };
 

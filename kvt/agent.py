@@ -35,6 +35,9 @@ from .errors import (AuthenticationError, ClosedError, ConfigError, HandshakeErr
                      InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError, PeerDisconnected,
                      ServerBusy, TransferTimeout, UnknownPeer, UnsupportedOperation, WireError)
 from . import integrity
+from .handshake import HandshakeServer, request
+from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
+from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
 
 # the post path (Agent.transfer_blocks, Transfer.state/release) in C; the pure-Python twins below
 # run where it is not built, or with KVT_NATIVE=0 (both run the whole test suite)
@@ -49,9 +52,6 @@ else:
         POST_PATH_REASON = f"kvt._fastpath did not load ({e}); reinstall kvt with gcc and the Python headers present"
 #: ``"native"`` or ``"python"``: which post path ``Agent.transfer_blocks`` takes
 POST_PATH = "native" if _fastpath is not None else "python"
-from .handshake import HandshakeServer, request
-from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
-from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
 
 __all__ = ["Agent", "Transfer", "Telemetry", "poll_until", "fetch_info"]
 
@@ -781,8 +781,11 @@ class Agent(_AgentCore):
 
     def _transfer_blocks(self, op: Op, peer: str, local_ids: Any, remote_ids: Any, layout: str = "kv",
                          notif: bytes | None = None, remote_layout: str | None = None) -> Transfer:
-        """``transfer_blocks`` whole: with the C post path, the calls its common
-        case does not cover (kvt/_fastpath.c)."""
+        """``op`` (READ pulls, WRITE pushes) between our ``local_ids`` blocks of
+        ``layout`` and the peer's ``remote_ids`` blocks of ``remote_layout``
+        (default: the same name); ``notif`` reaches the peer after the bytes."""
+        # Agent.transfer_blocks: this, or kvt._fastpath's C method, which takes the common case
+        # and hands every other call here
         t0 = perf_counter_ns()
         if self._closed:
             self._check_open()
