@@ -885,6 +885,10 @@ class Agent(_AgentCore):
     @staticmethod
     def block_index(layout: BlockLayout, block_ids: Any) -> np.ndarray:
         """Descriptor indices of ``block_ids`` in every region (region-major)."""
+        if _fastpath is not None:  # a list of ints in range, in one C call (see kvt/_fastpath.c)
+            out = _fastpath.block_index(block_ids, layout.num_blocks, len(layout.base_addrs))
+            if out is not None:
+                return out
         ids = as_index(block_ids, layout.num_blocks, "block ids")
         regions = _region_offsets(layout)
         return ids if regions is None else (regions + ids).ravel()
@@ -1017,4 +1021,4 @@ class Agent(_AgentCore):
 if _fastpath is None:
     Agent.transfer_blocks = Agent._transfer_blocks
 else:
-    _fastpath.setup(Transfer, ClosedError, InvalidHandle, _PROC)
+    _fastpath.setup(Transfer, ClosedError, InvalidHandle, _PROC, np.empty, np.dtype(np.int64))

@@ -156,3 +156,31 @@ def test_a_dropped_transfer_is_handed_to_its_agent(pair):
     del t
     gc.collect()
     assert a._orphans == []
+
+
+def _python_block_index(layout, ids):
+    """``Agent.block_index`` as its Python path computes it."""
+    regions = agent_mod._region_offsets(layout)
+    arr = agent_mod.as_index(ids, layout.num_blocks, "block ids")
+    return arr if regions is None else (regions + arr).ravel()
+
+
+@pytest.mark.parametrize("regions", [1, 3])
+@pytest.mark.parametrize("ids", [[], [0], [4, 0, 2], (3, 1), list(range(5))[::-1]])
+def test_block_index_matches_the_python_path(regions, ids):
+    from kvt.wire import BlockLayout
+    lay = BlockLayout(base_addrs=[1000 * r for r in range(regions)], block_len=10, num_blocks=5, stride=10)
+    got = Agent.block_index(lay, ids)
+    assert got.dtype == np.int64 and got.tolist() == _python_block_index(lay, ids).tolist()
+    if agent_mod.POST_PATH == "native":  # the C call took it (a C path that always declined would pass the above)
+        assert agent_mod._fastpath.block_index(ids, 5, regions).tolist() == got.tolist()
+
+
+@native
+@pytest.mark.parametrize("ids", [[5], [-1], [1 << 70], [0, True], [np.int64(1)], [1.0], np.array([1]), iter([1])],
+                         ids=["past", "negative", "huge", "bool", "numpy-int", "float", "ndarray", "iterator"])
+def test_block_index_declines_all_but_in_range_ints(ids):
+    """Anything but a list or tuple of ints in range goes to the Python path,
+    which converts it or raises with the usual wording."""
+    assert agent_mod._fastpath.block_index(ids, 5, 2) is None
+    assert agent_mod._fastpath.block_index([0], 1 << 62, 4) is None  # regions x blocks overflows

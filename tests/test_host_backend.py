@@ -155,6 +155,27 @@ def test_small_same_host_request_is_settled_when_transfer_returns():
         assert (peer.contents()[11] == 77).all()
 
 
+def test_a_notification_after_an_inline_copy_is_sent_by_the_posting_thread(monkeypatch):
+    """Once the peer's socket is open, a same-host copy's notification is
+    queued to ZMQ by the thread that posted it (no hand-off to the lane's
+    worker), and every notification still arrives once, in order."""
+    with peer_process(shared=True) as peer, Agent(name="me", options={"timeout": 5}) as me:
+        local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8)
+        me.register_blocks("kv", [local])
+        name = me.connect(peer.endpoint, timeout=10)
+        handed, real = [], me.backend._send_notif
+        monkeypatch.setattr(me.backend, "_send_notif", lambda p, m: (handed.append(m), real(p, m))[1])
+        for i in range(20):
+            with me.read_blocks(name, [i], [i], notif=b"r%d" % i) as x:
+                x.wait(10)
+        got, deadline = [], time.monotonic() + 10
+        while len(got) < 20 and time.monotonic() < deadline:
+            got += peer.notifs().get("me", [])
+        assert got == [b"r%d" % i for i in range(20)]
+        assert handed in ([], [b"r0"])  # at most the first, before the socket was open, took the worker
+        assert np.array_equal(local[:20], pattern()[:20])
+
+
 @pytest.mark.parametrize("inline_bytes", [1 << 24, 1], ids=["inline", "worker"])
 @pytest.mark.parametrize("op", ["read_blocks", "write_blocks"])
 def test_shm_request_after_the_owner_deregistered_is_refused_and_moves_nothing(op, inline_bytes):

@@ -74,7 +74,8 @@ class EngineSpec:
     backend_options: dict = field(default_factory=dict)
     staging: bool = False  #: kv_buffer_device="cpu": caches are private "device" memory behind host buffers
     #: tp=1 only: the worker runs in the scheduler's process (vLLM's single-process executor), not in
-    #: a process of its own; it sets torch's threads to 1 in that process, as worker processes do
+    #: a process of its own; it sets torch's threads to 1 in that process, as worker processes do, and
+    #: takes each step's ConnectorMetadata as the object (vLLM's executor passes it so), not encoded
     in_process: bool = False
     abort_request_timeout: float = 30.0
     expiry_margin: float = 0.2
@@ -182,7 +183,8 @@ def _step(worker, caches: list, spec: EngineSpec, rank: int, work: dict) -> dict
     import torch
 
     m = spec.model
-    worker.start_load_kv(ConnectorMetadata.decode(work["meta"]))
+    meta = work["meta"]  # encoded for a worker process; in-process, the scheduler's object
+    worker.start_load_kv(meta if isinstance(meta, ConnectorMetadata) else ConnectorMetadata.decode(meta))
     for key, ids, first in work["compute"]:  # the "forward pass": write this rank's KV
         vals, idx = toy_kv(m, spec.tp, rank, key, first, len(ids)), torch.as_tensor(ids, dtype=torch.long)
         for layer, t in enumerate(caches):
@@ -363,7 +365,9 @@ class _Engine:
         return out
 
     def step(self, compute=(), verify=()) -> dict:
-        work = {"meta": self.sched.build_connector_meta().encode(), "compute": list(compute), "verify": list(verify)}
+        meta = self.sched.build_connector_meta()
+        work = {"meta": meta if self.spec.in_process else meta.encode(), "compute": list(compute),
+                "verify": list(verify)}
         for conn in self.conns:
             conn.send(("step", work))
         outs = self._gather()

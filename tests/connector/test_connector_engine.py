@@ -261,13 +261,20 @@ def test_kvt_demo_engine_in_process_runs_the_decode_worker_here(capsys):
     assert out["workers"]["prefill"][0]["pid"] != os.getpid()
 
 
-def test_a_decode_worker_in_the_engines_process():
+def test_a_decode_worker_in_the_engines_process(monkeypatch):
     """At tp=1 the decode worker can run in the scheduler's process, as vLLM
     runs tp=1: the same requests, every block read and verified, nothing
     held; the prefill worker stays a process of its own (the KV it writes
-    comes from another process, as across engines)."""
+    comes from another process, as across engines).  The in-process worker
+    takes each step's metadata as the object, as vLLM's executor passes it
+    (the prefill worker's, in its process, still decodes it)."""
+    from kvt.connector.metadata import ConnectorMetadata
+
+    decoded, real = [], ConnectorMetadata.decode
+    monkeypatch.setattr(ConnectorMetadata, "decode", staticmethod(lambda b: (decoded.append(b), real(b))[1]))
     requests = [*mixed_requests(8, BS, 16, seed=3), RequestSpec("prefix", 6 * BS, prefix_hit_blocks=2)]
     report = run("host", requests, decode={"in_process": True})
+    assert decoded == []
     assert [w["pid"] for w in report.workers["decode"]] == [os.getpid()]
     assert report.workers["prefill"][0]["pid"] != os.getpid()
     assert_delivered(report, requests)
