@@ -17,7 +17,7 @@
  *                 that hands a transfer dropped unreleased to its agent.
  *   block_index   Agent.block_index's common case (a list or tuple of ints,
  *                 all in range): one call instead of a few numpy calls,
- *                 which cost ~100 us on the caches a KV-sized copy just
+ *                 which cost ~0.1 ms on caches an engine's step has just
  *                 flushed.  Anything else returns None: the Python path then
  *                 converts, or raises with the errors' wording.
  *
@@ -528,8 +528,6 @@ static PyTypeObject TransferCoreType = {
     .tp_init = (initproc)Transfer_init,
     .tp_new = PyType_GenericNew,
 };
-
-/* ------------------------------------------------------------------ module */
 
 /* ------------------------------------------------------------ block_index */
 

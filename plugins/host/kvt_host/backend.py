@@ -950,8 +950,9 @@ class HostBackend(Backend):
         lane (the lane's socket is then its own): only on a socket open
         already, and only if ZMQ queues it at once.  False leaves it to the
         lane's worker, which may connect, or wait for room: a post never
-        blocks on a peer.  (A thread hand-off costs ~0.1 ms on the caches a
-        KV-sized copy just flushed; ZMQ's queue a fraction of it.)"""
+        blocks on a peer.  (Handing it to the worker costs a thread wake-up
+        and keeps the lane busy, so a request posted right after queues
+        behind the notification instead of copying here.)"""
         sock = peer._sock
         if sock is None:
             return False
