@@ -543,8 +543,8 @@ static inline int word_gone(uintptr_t word, uint32_t tid)
 }
 
 PyDoc_STRVAR(copy_indexed_doc,
-"copy_indexed(dst, di, src, si, lengths, src_lengths=None, threads=1, split_bytes=0,\n"
-"             max_bytes=2**64-1, epoch=0, seen=0, pidfd=-1, lock=-1, slot=0,\n"
+"copy_indexed(dst, di, src, si, lengths, src_lengths=None, max_bytes=2**64-1,\n"
+"             epoch=0, seen=0, pidfd=-1, threads=<set_split>, lock=-1, slot=0,\n"
 "             alive=0, tid=0) -> int\n\n"
 "For every k copy the row di[k] of table (dst, lengths) from row si[k] of\n"
 "table (src, src_lengths): dst, src are 1-D uint64 address tables, di, si\n"
@@ -562,21 +562,112 @@ PyDoc_STRVAR(copy_indexed_doc,
 "(with a full fence) before the first epoch check and lowered after the\n"
 "last.  alive (when non-zero; then pidfd is not polled): the address of\n"
 "the owner's liveness word, which must hold tid after the copy (else -3).\n"
-"The GIL is released for the copy.");
+"threads: at most this many for a request of at least set_split's size.\n"
+"The GIL is released for the copy.  kvt.memcopy.copy_indexed is this\n"
+"function when the extension is built (the same signature).");
+
+/* copy_indexed's arguments, parsed. */
+typedef struct {
+    PyObject *dobj, *diobj, *sobj, *siobj, *lobj, *slobj;
+    int threads, pidfd, lock;
+    unsigned long long split, max_bytes, epoch, seen, slot, alive;
+    unsigned int tid;
+} IndexedArgs;
+
+static PyObject *copy_indexed_run(const IndexedArgs *a);
+
+/* What kvt.memcopy configures once (set_split): the split size and the default thread count. */
+static unsigned long long split_default;
+static int threads_default = 1;
 
 static PyObject *py_copy_indexed(PyObject *self, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"dst", "di", "src", "si", "lengths", "src_lengths", "threads", "split_bytes",
-                            "max_bytes", "epoch", "seen", "pidfd", "lock", "slot", "alive",
-                            "tid", NULL};
-    PyObject *dobj, *diobj, *sobj, *siobj, *lobj, *slobj = Py_None;
-    int threads = 1, pidfd = -1, lock = -1;
-    unsigned long long split = 0, max_bytes = UINT64_MAX, epoch = 0, seen = 0, slot = 0, alive = 0;
-    unsigned int tid = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|OiKKKKiiKKI", names, &dobj, &diobj, &sobj, &siobj, &lobj,
-                                     &slobj, &threads, &split, &max_bytes, &epoch, &seen, &pidfd, &lock,
-                                     &slot, &alive, &tid))
+    static char *names[] = {"dst", "di", "src", "si", "lengths", "src_lengths", "max_bytes", "epoch", "seen",
+                            "pidfd", "threads", "lock", "slot", "alive", "tid", NULL};
+    IndexedArgs a = {.slobj = Py_None, .threads = threads_default, .pidfd = -1, .lock = -1,
+                     .split = split_default, .max_bytes = UINT64_MAX};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|OKKKiiiKKI", names, &a.dobj, &a.diobj, &a.sobj, &a.siobj,
+                                     &a.lobj, &a.slobj, &a.max_bytes, &a.epoch, &a.seen, &a.pidfd, &a.threads,
+                                     &a.lock, &a.slot, &a.alive, &a.tid))
         return NULL;
+    return copy_indexed_run(&a);
+}
+
+/* An int argument of the fast call below: 'i' (checked) or, as 'K' and 'I', its low bits. */
+static int fast_int(PyObject *o, int *out)
+{
+    int overflow;
+    long v = PyLong_AsLongAndOverflow(o, &overflow);
+    if (overflow || v < INT_MIN || v > INT_MAX)
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
+/* The per-request call (the host backend passes all 15 arguments by
+   position, its ints as ints): parsed without building an argument tuple,
+   which cost a third of a small request's call.  Anything else (keywords,
+   fewer arguments, an int subclass, an int out of range) takes the general
+   parser above, which also raises its errors. */
+static PyObject *py_copy_indexed_fast(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (kwnames == NULL && nargs == 15) {
+        int ok = 1;
+        for (int i = 6; i < 15; i++)
+            ok &= PyLong_CheckExact(args[i]);
+        IndexedArgs a = {args[0], args[1], args[2], args[3], args[4], args[5], .split = split_default};
+        if (ok && fast_int(args[9], &a.pidfd) == 0 && fast_int(args[10], &a.threads) == 0 &&
+            fast_int(args[11], &a.lock) == 0) {
+            a.max_bytes = PyLong_AsUnsignedLongLongMask(args[6]), a.epoch = PyLong_AsUnsignedLongLongMask(args[7]);
+            a.seen = PyLong_AsUnsignedLongLongMask(args[8]), a.slot = PyLong_AsUnsignedLongLongMask(args[12]);
+            a.alive = PyLong_AsUnsignedLongLongMask(args[13]);
+            a.tid = (unsigned int)PyLong_AsUnsignedLongMask(args[14]);
+            return copy_indexed_run(&a);  /* (exact ints: the masks cannot fail) */
+        }
+    }
+    PyObject *tuple = PyTuple_New(nargs), *kw = NULL, *out = NULL;
+    if (tuple == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    if (kwnames != NULL) {
+        if ((kw = PyDict_New()) == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
+            if (PyDict_SetItem(kw, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0)
+                goto done;
+    }
+    out = py_copy_indexed(self, tuple, kw);
+done:
+    Py_DECREF(tuple);
+    Py_XDECREF(kw);
+    return out;
+}
+
+PyDoc_STRVAR(set_split_doc,
+"set_split(split_bytes, threads) -> None\n\n"
+"copy_indexed's configuration (kvt.memcopy sets it at import): requests of\n"
+"at least split_bytes may be split across threads, and threads is the\n"
+"default of its threads argument.");
+
+static PyObject *py_set_split(PyObject *self, PyObject *args)
+{
+    unsigned long long split;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Ki", &split, &threads))
+        return NULL;
+    split_default = split, threads_default = threads;
+    Py_RETURN_NONE;
+}
+
+static PyObject *copy_indexed_run(const IndexedArgs *a)
+{
+    PyObject *dobj = a->dobj, *diobj = a->diobj, *sobj = a->sobj, *siobj = a->siobj, *lobj = a->lobj,
+             *slobj = a->slobj;
+    int threads = a->threads, pidfd = a->pidfd, lock = a->lock;
+    unsigned long long split = a->split, max_bytes = a->max_bytes, epoch = a->epoch, seen = a->seen,
+                       slot = a->slot, alive = a->alive;
+    unsigned int tid = a->tid;
     if (slot % 8 || alive % 4) {  /* an atomic across cache lines may fault (split-lock detection) */
         PyErr_SetString(PyExc_ValueError, "slot must be 8-byte and alive 4-byte aligned");
         return NULL;
@@ -909,8 +1000,10 @@ static PyObject *py_set_stream(PyObject *self, PyObject *arg)
 static PyMethodDef methods[] = {
     {"set_spin", py_set_spin, METH_O, set_spin_doc},
     {"set_stream", py_set_stream, METH_O, set_stream_doc},
+    {"set_split", py_set_split, METH_VARARGS, set_split_doc},
     {"copy", (PyCFunction)(void (*)(void))py_copy, METH_VARARGS | METH_KEYWORDS, copy_doc},
-    {"copy_indexed", (PyCFunction)(void (*)(void))py_copy_indexed, METH_VARARGS | METH_KEYWORDS, copy_indexed_doc},
+    {"copy_indexed", (PyCFunction)(void (*)(void))py_copy_indexed_fast, METH_FASTCALL | METH_KEYWORDS,
+     copy_indexed_doc},
     {"atomic_add", py_atomic_add, METH_VARARGS, atomic_add_doc},
     {"atomic_cas", py_atomic_cas, METH_VARARGS, atomic_cas_doc},
     {"keep_alive", py_keep_alive, METH_VARARGS, keep_alive_doc},

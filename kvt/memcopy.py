@@ -101,6 +101,7 @@ STREAMING = ("only with the native engine" if _native is None
 if _native is not None:
     _native.set_spin(int(SPIN_US * 1000))
     _native.set_stream(STREAM_BYTES)
+    _native.set_split(SPLIT_BYTES, THREADS)
 
 _IOV_MAX = 1024
 _BIG = 16 * 1024  # fallback: rows at least this long go to memmove (user-space memcpy beats the kernel copy)
@@ -176,15 +177,18 @@ def copy_indexed(dst: np.ndarray, di: np.ndarray, src: np.ndarray, si: np.ndarra
     the address of the owner's liveness word, which must still hold ``tid``
     after the copy (else ``DEAD``; see ``keep_alive``).
     ``threads``: at most this many for a large request (``BACKGROUND_THREADS``
-    off the posting thread).
+    off the posting thread).  With the native engine built, this name is
+    ``kvt._copy.copy_indexed`` itself: the same call in C.
     """
-    if _native is not None:
-        return _native.copy_indexed(dst, di, src, si, lengths, src_lengths, threads, SPLIT_BYTES, max_bytes,
-                                    epoch, seen, pidfd, lock, slot, alive, tid)
     if slot:
         raise ValueError("guard slots need the native engine (kvt._copy); pass lock instead")
     return _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd, lock,
                                 alive, tid)
+
+
+_py_copy_indexed = copy_indexed  # the pure-Python engine's (the name's value under KVT_NATIVE=0)
+if _native is not None:  # the same call in C, taken straight: no Python frame on every request's path
+    copy_indexed = _native.copy_indexed  # noqa: F811
 
 
 def _copy_indexed_python(dst, di, src, si, lengths, src_lengths, max_bytes, epoch, seen, pidfd, lock, alive=0,

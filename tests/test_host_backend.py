@@ -422,3 +422,48 @@ def test_few_rows_are_sliced_as_many_are(monkeypatch):
             m.setattr(protocol, "FEW_ROWS", -1)
             m.setattr(stream, "FEW_ROWS", -1)
             assert _slicings(rows, *limits) == few, (rows[:, 2].tolist(), limits)
+
+
+# -- a peer's lane: its worker's jobs and callers' inline requests never overlap ------------
+
+def test_a_lane_runs_a_callers_request_and_its_jobs_one_at_a_time_in_order():
+    """The one-call path's claim (``_Lane.enter``): taken only when no job is
+    queued or running and no other caller holds it; a job queued meanwhile
+    waits for the caller's ``leave``; a teardown job's ``wait_caller`` does
+    not wait for itself; a caller holding past the limit is reported."""
+    import threading
+
+    from kvt_host.backend import _Lane
+
+    lane = _Lane("test-lane", limit=0.5)
+    try:
+        order: list[str] = []
+        assert lane.enter()
+        other = threading.Thread(target=lambda: order.append(lane.enter()))
+        other.start()
+        other.join(5)
+        assert not lane.enter()
+        job = lane.submit(lambda: order.append("job"))
+        time.sleep(0.2)  # the worker is free to run it: it must wait for the caller
+        order.append("caller left")
+        lane.leave()
+        job.result(5)
+        assert order == [False, "caller left", "job"]
+        gate = threading.Event()
+        running = lane.submit(gate.wait, 5)
+        assert not lane.enter()  # a job runs
+        queued = lane.submit(lambda: lane.wait_caller())
+        gate.set()
+        running.result(5)
+        assert queued.result(5) is True  # on the worker: no caller can hold it, no wait
+        with lane._lock:
+            lane._busy += 1  # a job queued, its worker not yet at it: a caller must not run ahead
+        assert not lane.enter()
+        lane._done()
+        assert lane.enter()  # idle again
+        t0 = time.monotonic()
+        assert not lane.wait_caller() and time.monotonic() - t0 >= 0.45  # held past the limit
+        lane.leave()
+        assert lane.wait_caller()
+    finally:
+        lane.pool.shutdown(wait=True)

@@ -366,8 +366,36 @@ def test_indexed_guards(engine):
         os.close(me)
 
 
+@pytest.mark.skipif(memcopy._native is None, reason="the call's two parsers are the native engine's")
+def test_indexed_positional_call_means_what_the_keywords_say():
+    """The host backend's call (all 15 arguments by position, exact ints)
+    takes a parser of its own: every argument must land where the keyword
+    call puts it, and whatever that parser declines (an out-of-range or
+    non-int argument, an int subclass) must get the general parser's answer."""
+    assert memcopy.copy_indexed is memcopy._native.copy_indexed
+    src, dst, s, d = _tables()
+    one, two = np.array([0], np.int64), np.array([1], np.int64)
+    word = np.array([7], np.uint64)
+    names = ("max_bytes", "epoch", "seen", "pidfd", "threads", "lock", "slot", "alive", "tid")
+    base = dict(zip(names, ((1 << 64) - 1, word.ctypes.data, 7, -1, 1, -1, 0, 0, 0)))
+    cases = [{}, {"seen": 6}, {"max_bytes": 255}, {"max_bytes": -1}, {"epoch": 0, "seen": 99},
+             {"alive": word.ctypes.data, "tid": 7}, {"alive": word.ctypes.data, "tid": 8}]
+    for change in cases:
+        kw = {**base, **change}
+        by_name = memcopy.copy_indexed(d, one, s, two, 256, None, **kw)
+        by_position = memcopy.copy_indexed(d, one, s, two, 256, None, *(kw[n] for n in names))
+        assert by_position == by_name, change
+    assert [memcopy.copy_indexed(d, one, s, two, 256, None, *(base | c).values()) for c in cases] == \
+        [256, memcopy.STALE, memcopy.TOO_BIG, 256, 256, 256, memcopy.DEAD]
+    assert memcopy.copy_indexed(d, one, s, two, 256, None, *{**base, "threads": True}.values()) == 256
+    for bad, exc in (({"pidfd": 1 << 40}, OverflowError), ({"threads": 1.0}, TypeError), ({"lock": "3"}, TypeError),
+                     ({"seen": None}, TypeError)):
+        with pytest.raises(exc):
+            memcopy.copy_indexed(d, one, s, two, 256, None, *(base | bad).values())
+
+
 @pytest.mark.skipif(memcopy._native is None, reason="guard slots need the native engine")
-def test_indexed_counts_the_copy_in_its_guard_slot(monkeypatch):
+def test_indexed_counts_the_copy_in_its_guard_slot():
     """``slot``: raised before the epoch check and lowered after the last
     check, whatever the outcome; the pure-Python engine refuses one."""
     src, dst, s, d = _tables()
@@ -389,9 +417,8 @@ def test_indexed_counts_the_copy_in_its_guard_slot(monkeypatch):
             seen_raised.append(int(slot[0]))
         assert fut.result() == size
     assert 6 in seen_raised and slot[0] == 5
-    monkeypatch.setattr(memcopy, "_native", None)  # the pure-Python engine
-    with pytest.raises(ValueError, match="native"):
-        memcopy.copy_indexed(d, one, s, one, 256, slot=slot.ctypes.data)
+    with pytest.raises(ValueError, match="native"):  # the pure-Python engine
+        memcopy._py_copy_indexed(d, one, s, one, 256, slot=slot.ctypes.data)
 
 
 # probes the lock as the owner's drain does, until it finds it held (exit 0)

@@ -156,10 +156,11 @@ class _Lane:
     def __init__(self, name: str, limit: float):
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._lock = threading.Lock()
-        self._busy = 0  # jobs queued or running, plus a caller holding the lane (enter)
-        self._here = False  # a caller holds it: the worker waits for its leave before its next job
-        self._waiting = 0  # workers waiting for that (so leave skips the notify when none is)
-        self._left = threading.Condition(self._lock)
+        self._busy = 0  # jobs queued or running
+        # held by whoever runs on the lane: its worker for each job, or a caller between enter and
+        # leave; a caller only tries it (never waits), the worker waits for a caller's one request
+        self._claim = threading.Lock()
+        self._here = False  # a caller holds _claim
         self._limit = limit  # longest a caller may hold it: one request, bounded by the backend's timeout
 
     def submit(self, fn, *args):
@@ -172,23 +173,24 @@ class _Lane:
             raise
 
     def _counted(self, fn, *args):
+        held = self._claim.acquire(timeout=self._limit)  # (not had after the limit: runs anyway, as before)
         try:
-            self.wait_caller()
             return fn(*args)
         finally:
+            if held:
+                self._claim.release()
             self._done()
 
     def wait_caller(self) -> bool:
         """Wait until no caller holds the lane (none can start once a job is
-        queued); False if one still did after the limit."""
+        queued); False if one still did after the limit.  On the lane's
+        worker (a job) no caller can hold it: True at once."""
         if not self._here:
             return True
-        with self._lock:
-            self._waiting += 1
-            try:
-                return self._left.wait_for(lambda: not self._here, self._limit)
-            finally:
-                self._waiting -= 1
+        if self._claim.acquire(timeout=self._limit):
+            self._claim.release()
+            return True
+        return False
 
     def _done(self) -> None:
         with self._lock:
@@ -203,19 +205,19 @@ class _Lane:
 
     def enter(self) -> bool:
         """Claim the idle lane for work on the caller's thread (then ``leave``)."""
-        with self._lock:
-            if self._busy:
-                return False
-            self._busy += 1
-            self._here = True
-            return True
+        # _busy read twice without the lock: a job queued after the second read waits for our claim,
+        # one queued before it makes us back off (a caller never runs ahead of queued work)
+        if self._busy or not self._claim.acquire(False):
+            return False
+        if self._busy:
+            self._claim.release()
+            return False
+        self._here = True
+        return True
 
     def leave(self) -> None:
-        with self._lock:
-            self._busy -= 1
-            self._here = False
-            if self._waiting:
-                self._left.notify_all()
+        self._here = False
+        self._claim.release()
 
 
 _NO_SEGS = (Descs.from_regions(np.zeros(0, np.uint64), np.zeros(0, np.uint64)), np.zeros(0, np.uint64))
