@@ -138,6 +138,9 @@ class RouterServer:
             raise HandshakeError(f"cannot listen on {host}:{port}: {e}; choose another "
                                  "listen_host/listen_port") from e
         self.endpoint = f"tcp://{host}:{port}"
+        self._watched: dict[int, Callable[[], None]] = {}  # fds served besides the socket (watch)
+        #: called on the server thread after each wait for messages (at least every _POLL_MS ms)
+        self.tick: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"{name}:{port}", daemon=True)
 
@@ -145,11 +148,36 @@ class RouterServer:
         self._thread.start()
         return self
 
+    def watch(self, fd: int, ready: Callable[[], None]) -> None:
+        """Call ``ready()`` on the server thread whenever ``fd`` turns
+        readable (register before ``start``).  Like ``tick``: what it raises is
+        logged and serving goes on; bounded work per call (the socket's
+        messages wait meanwhile)."""
+        self._watched[fd] = ready
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a backstop: nothing a peer sends stops the thread
+            log.exception("%s: %s failed", self._thread.name, getattr(fn, "__qualname__", fn))
+
     def _serve(self) -> None:
         sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        for fd in self._watched:
+            poller.register(fd, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not sock.poll(_POLL_MS):
+                ours = False
+                for s, _ in poller.poll(_POLL_MS):
+                    if s is sock:
+                        ours = True
+                    else:
+                        self._call(self._watched[s])
+                if self.tick is not None:
+                    self._call(self.tick)
+                if not ours:
                     continue
                 msg = self._recv(sock)
                 if msg is None:

@@ -7,7 +7,7 @@ import zmq
 
 from kvt import Agent
 from kvt.errors import HandshakeError, HandshakeTimeout, IncompatiblePeer, InvalidArgument, WireError
-from kvt.handshake import HandshakeServer, request
+from kvt.handshake import HandshakeServer, RouterServer, request
 from kvt.wire import AgentInfo, HandshakeReply, decode
 
 
@@ -21,6 +21,37 @@ def test_server_round_trip_and_binds_loopback_by_default():
     with HandshakeServer(lambda body: body[::-1]) as srv:
         assert srv.endpoint.startswith("tcp://127.0.0.1:")
         assert request(srv.endpoint, b"abc", timeout=5) == b"cba"
+
+
+def test_a_watched_fd_and_the_tick_are_served_on_the_server_thread_and_their_failures_stop_nothing():
+    import os
+    r, w = os.pipe()
+    seen, ticks = [], []
+
+    def ready():
+        seen.append(os.read(r, 1))
+        if seen[-1] == b"x":
+            raise RuntimeError("watcher bug")
+
+    srv = RouterServer(lambda frames: [b"echo"] + frames)
+    srv.watch(r, ready)
+    srv.tick = lambda: (ticks.append(1), 1 / 0)
+    with srv:
+        for c in b"axb":
+            os.write(w, bytes([c]))
+            deadline = time.monotonic() + 5
+            while len(seen) < b"axb".index(c) + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(srv.endpoint)
+        s.send_multipart([b"hi"])
+        assert s.recv_multipart() == [b"echo", b"hi"]  # served on after both raised
+        s.close()
+    assert seen == [b"a", b"x", b"b"] and len(ticks) >= 3
+    os.close(r)
+    os.close(w)
 
 
 def test_failing_provider_does_not_stop_the_server():

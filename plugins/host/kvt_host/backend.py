@@ -45,6 +45,7 @@ from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandl
 from kvt.wire import decode, encode
 
 from . import memops
+from .notifs import NotifLink, valid_name
 from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, HostMetadata, Reply, Request, chunks, rows_of
 from .server import Server
 from .stream import Stream
@@ -244,16 +245,22 @@ class _Peer:
         self.gen = 0  # bumped when the mappings go: preps holding their addresses are then void
         self._segs = _NO_SEGS  # (remote segment rows, our addresses of them): see mapped()
         self.epoch: EpochWatch | None = None
+        self.link: NotifLink | None = None  # its notification socket (kvt_host.notifs): same host, no secret
+        self.notifs_on_zmq = False  # set for good once one went over ZMQ: one channel keeps them in order
         self.update(md, transport)
 
     def update(self, md: HostMetadata, transport: str) -> None:
         regions, segs = _checked(md)
-        if (self._maps or self._sock is not None) and _incarnation(md) != _incarnation(self.md):
-            self.close()  # a restarted peer: its old segments and server are gone
+        if (self._maps or self._sock is not None or self.link is not None) \
+                and _incarnation(md) != _incarnation(self.md):
+            self.close()  # a restarted peer: its old segments, server and notification socket are gone
         self.md, self.regions = md, regions
         # on this host we can watch the peer's process; shm/cma also need transport != tcp
         self.local_pid = md.host_id == host_id() and start_time(md.pid) == md.start_time
         self.same_host = self.local_pid and transport != "tcp"
+        if self.same_host and self.secret is None and self.link is None and not self.notifs_on_zmq \
+                and valid_name(md.notif):
+            self.link = NotifLink(md.notif)
         self._watch(md.pid if self.local_pid else None)
         if self.epoch is not None:
             self.epoch.close()
@@ -357,6 +364,9 @@ class _Peer:
             self.epoch = None
         self.drop_socket()
         self.drop_stream()
+        if self.link is not None:
+            self.link.close()
+        self.link, self.notifs_on_zmq = None, False
         for addr, size in self._maps.values():
             memops.munmap(addr, size)
         self._maps.clear()
@@ -484,7 +494,8 @@ class HostBackend(Backend):
         return encode(HostMetadata(
             name=self.agent_name, endpoint=self._server.endpoint, host_id=host_id(), pid=pid,
             start_time=start_time(pid), regions={k.value: d.array.tobytes() for k, d in regions.items()},
-            segments=segs.tobytes(), epoch_fd=self._epoch.fd, epoch=self._epoch.value))
+            segments=segs.tobytes(), epoch_fd=self._epoch.fd, epoch=self._epoch.value,
+            notif="" if self._server.notifs is None else self._server.notifs.name))
 
     def add_remote(self, metadata: bytes) -> str:
         self._check_open()
@@ -610,7 +621,7 @@ class HostBackend(Backend):
         caller's thread and settled before it returns when the lane is idle
         and it is at most ``inline_bytes``, else checked here and queued for
         the same call on the lane's worker.  A notification goes out after
-        the copy, from the lane's worker (which owns the peer's socket).  ``None`` when the general path
+        the copy (``_notif_now``, else from the lane's worker).  ``None`` when the general path
         must take it (remote rows outside mapped segments, device memory, a
         stale epoch, a bad argument: that path then raises the typed error)."""
         try:
@@ -954,7 +965,11 @@ class HostBackend(Backend):
         lane's worker, which may connect, or wait for room: a post never
         blocks on a peer.  (Handing it to the worker costs a thread wake-up
         and keeps the lane busy, so a request posted right after queues
-        behind the notification instead of copying here.)"""
+        behind the notification instead of copying here.)  A same-host
+        peer's goes on the owner's notification socket (``kvt_host.notifs``)
+        when it has room."""
+        if peer.link is not None:
+            return peer.link.send(self._notif_frame(msg), None)
         sock = peer._sock
         if sock is None:
             return False
@@ -967,15 +982,31 @@ class HostBackend(Backend):
     def _send_notif(self, peer: _Peer | None, msg: bytes) -> None:
         if peer is None:
             self._inbox.deliver(self.agent_name, msg)
-        else:
-            sock = peer.socket()
-            sock.send_multipart(self._notif_frames(peer, msg))
+            return
+        link = peer.link
+        if link is not None:
+            try:
+                if link.send(self._notif_frame(msg), self.timeout):
+                    return
+            except TimeoutError:
+                raise TransferTimeout(f"peer {peer.name!r} read no notification for {self.timeout:g}s") from None
+            # too large for it, or nobody reads that socket: this one and every later one over ZMQ
+            # (the owner reads the socket before it takes one in from ZMQ: they stay in order)
+            peer.link, peer.notifs_on_zmq = None, True
+            link.close()
+        sock = peer.socket()
+        sock.send_multipart(self._notif_frames(peer, msg))
+
+    def _notif_frame(self, msg: bytes) -> bytes:
+        return encode(Request(id=0, sender=self.agent_name, op="NOTIF", msg=msg))
 
     def _notif_frames(self, peer: _Peer, msg: bytes) -> list:
-        return peer.seal([encode(Request(id=0, sender=self.agent_name, op="NOTIF", msg=msg))])
+        return peer.seal([self._notif_frame(msg)])
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()
+        if self._server.notifs is not None:  # same-host peers' wait in its socket: nobody was woken for them
+            self._server.notifs.drain()
         return self._inbox.take()
 
     # -- lifecycle ------------------------------------------------------------

@@ -30,6 +30,7 @@ class HostMetadata(Message, tag="host_md"):
     segments: bytes = b""         # (m, 3) uint64 rows (base, size, fd) of shared segments peers may map
     epoch_fd: int = -1            # fd of its registration epoch page (kvt.epoch), for same-host peers
     epoch: int = 0                # the epoch when this metadata was taken
+    notif: str = ""               # its notification socket (kvt_host.notifs), for same-host peers; "" = none
 
 
 class Request(Message, tag="host_req"):

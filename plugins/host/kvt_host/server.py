@@ -1,5 +1,6 @@
 """The owner side: one thread with a ZMQ ROUTER socket that serves peers'
-READ and WRITE requests and receives their notifications.
+READ and WRITE requests and receives their notifications (same-host
+peers' also on a Unix socket of its own: ``kvt_host.notifs``).
 
 Every byte of a request is hostile until checked.  The server only ever
 touches rows that lie wholly inside memory this agent registered (checked,
@@ -25,6 +26,7 @@ from kvt.types import Descs, MemKind
 from kvt.wire import decode, encode
 
 from .memops import gather, scatter
+from .notifs import NotifListener
 from .stream import StreamServer, cut
 from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, MAX_REQUEST_BYTES, MAX_REQUEST_ROWS, Reply, Request, rows_of
 
@@ -124,6 +126,14 @@ class Server(RouterServer):
         super().__init__(self._handle, host, name="kvt-host-server", copy=False,
                          max_msg_bytes=MAX_MESSAGE_BYTES, refuse=self._refuse, secret=secret, covered=1)
         self.endpoint = self.endpoint.replace(f"//{host}:", f"//{advertise}:", 1)
+        #: same-host peers' notifications (none with a secret: kvt_host.notifs)
+        self.notifs: NotifListener | None = None
+        if secret is None:
+            try:
+                self.notifs = NotifListener(self.watch, self._notif)
+                self.tick = self.notifs.tick
+            except OSError as e:  # e.g. a seccomp policy without AF_UNIX: ZMQ carries them all
+                log.info("no notification socket (%s); same-host notifications go over ZMQ", e)
         self.start()
 
     @staticmethod
@@ -146,10 +156,25 @@ class Server(RouterServer):
 
     def _handle(self, frames) -> list | None:
         req = decode(frames[0].bytes, Request)  # WireError -> refused with id -1
+        if req.op == "NOTIF" and self.notifs is not None:
+            # a peer's notifications on the socket, sent before this one, go first (kvt_host.notifs)
+            self.notifs.drain()
         try:
             return self._serve_request(req, frames)
         except Exception as e:  # noqa: BLE001 - the server never dies and always answers
             return self._refusal(req.id, e)
+
+    def _notif(self, frame: bytes) -> None:
+        """A message on the notification socket: one NOTIF request, checked
+        as one that came over ZMQ; nothing answers (as a NOTIF over ZMQ gets
+        no reply), a refused one is dropped."""
+        try:
+            req = decode(frame, Request)
+            if req.op != "NOTIF":
+                raise Refused("bad_request", f"{req.op!r} request on the notification socket")
+            self._serve_request(req, (frame,))
+        except Exception as e:  # noqa: BLE001 - routine from a hostile peer (debug: it cannot flood the log)
+            log.debug("dropped a message of the notification socket: %s: %s", type(e).__name__, e)
 
     def _open_stream(self, req: Request) -> list:
         if self._stream is None:
@@ -183,6 +208,8 @@ class Server(RouterServer):
 
     def close(self) -> None:
         super().close()
+        if self.notifs is not None:
+            self.notifs.close()
         if self._stream is not None:
             self._stream.close()
 

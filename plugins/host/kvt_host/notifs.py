@@ -1,0 +1,224 @@
+"""Same-host notifications over a Unix socket of the owner's.
+
+Through ZMQ a notification goes from the sender's thread to its ZMQ I/O
+thread, over TCP to the owner's I/O thread, then to the owner's server
+thread: ~70 us of the sender's thread right after a copy, and three
+wake-ups.  Here it is one system call and no wake-up: nobody waits on the
+socket; the owner reads it when it asks for its notifications
+(``get_notifs``), and its server thread at least every 0.1 s (so they wait
+in its bounded inbox, as ZMQ's do, not in the kernel).  The owner listens on a ``SOCK_SEQPACKET`` socket in the abstract
+namespace (nothing is left on disk when a process dies) and advertises its
+name in its metadata (``HostMetadata.notif``); a same-host peer connects
+once and sends each notification as one message: the ``Request`` frame the
+ZMQ channel would carry.  (Sequenced packets keep message boundaries, as
+datagrams do, but are bounded by the sender's buffer, not by the kernel's
+queue of ten datagrams a socket: an engine posts dozens of reads at once.)
+
+Order (the protocol's contract: in the order sent): a notification too
+large for the socket (over ``MAX_FRAME``), or one to a socket nobody reads
+any more, moves that peer to ZMQ for good; the owner's server thread reads
+its socket before it takes in a notification that came over ZMQ, so those
+sent before it, on the socket, are in its inbox first.
+
+Trust: an abstract socket has no file permissions, so the owner accepts only
+connections of its own user, by the credentials the kernel gives
+(``SO_PEERCRED``), and at most ``MAX_CONNECTIONS``; the bytes are then as
+hostile as a ZMQ message's (the server's checks: one ``NOTIF`` request,
+sender and size bounded).  With an ``auth_key`` notifications stay on the
+authenticated ZMQ channel: sealed messages share the session's counter with
+requests, which ZMQ carries, and two channels keep no order between them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import secrets
+import select
+import socket
+import struct
+import termios
+import threading
+import time
+from typing import Callable
+
+__all__ = ["MAX_FRAME", "MAX_CONNECTIONS", "NotifListener", "NotifLink", "valid_name"]
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = 64 << 10  #: the largest notification message (its Request frame); larger ones go over ZMQ
+MAX_CONNECTIONS = 64  #: same-host peers connected at once; more are turned away (they use ZMQ)
+_NAME = re.compile(r"kvt-notif-[0-9]{1,7}-[0-9a-f]{16}")  # NotifListener's names, and only those
+_UCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
+_ACCEPT = 16  # connections accepted per call: the server's other work gets its turn
+_SNDBUF = 1 << 20  # asked of the kernel (it caps it): room for thousands of notifications in flight
+# messages read from one connection per drain: more than a sender's buffer holds (each takes ~768 bytes
+# of it), so a drain before a notification from ZMQ leaves none of that sender's behind it
+_DRAIN = 4096
+_POLL = 0.1  # seconds: how long messages may wait in the socket when the owner does not ask for them
+
+
+def valid_name(name: object) -> bool:
+    """Whether ``name`` (from a peer's metadata) is a notification socket's:
+    a forged one must not aim our messages at another program's socket."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def _socket() -> socket.socket:
+    return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+
+
+class NotifListener:
+    """The owner's end.  Its server thread accepts connections (``watch``:
+    the server's ``RouterServer.watch``) and nobody waits on them: a sender's
+    message wakes no one.  ``drain`` hands each message waiting, of a
+    connection of our own user, to ``handle(frame)``: called by
+    ``get_notifs`` and, as a backstop for an owner that never asks, by the
+    server thread every ``_POLL`` s (``tick``)."""
+
+    def __init__(self, watch: Callable[[int, Callable[[], None]], None], handle: Callable[[bytes], None]) -> None:
+        self.name = f"kvt-notif-{os.getpid()}-{secrets.token_hex(8)}"
+        self._handle = handle
+        self._uid = os.geteuid()
+        self._lock = threading.Lock()
+        self._conns: dict[int, socket.socket] = {}
+        self._ready = select.epoll()  # the connections with messages, found in one system call
+        self._last = 0.0
+        self.refused = 0  # connections turned away (another user's, or over MAX_CONNECTIONS) or cut (bad message)
+        self._sock = _socket()
+        try:
+            self._sock.bind(b"\0" + self.name.encode())
+            self._sock.listen(64)
+        except OSError:
+            self._sock.close()
+            self._ready.close()
+            raise
+        watch(self._sock.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # e.g. out of file descriptors: the peer falls back to ZMQ
+                log.warning("notification socket %s: accept failed: %s", self.name, e)
+                return
+            try:
+                uid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[1]
+            except OSError:
+                uid = None
+            with self._lock:
+                if uid != self._uid or len(self._conns) >= MAX_CONNECTIONS:
+                    self.refused += 1
+                    log.debug("notification socket %s: turned away a connection of uid %s (%d connected)",
+                              self.name, uid, len(self._conns))
+                    conn.close()
+                    continue
+                conn.setblocking(False)
+                self._conns[conn.fileno()] = conn
+                self._ready.register(conn.fileno(), select.EPOLLIN)
+
+    def drain(self) -> None:
+        """Hand every message waiting (at most ``_DRAIN`` per connection) to ``handle``."""
+        with self._lock:
+            self._last = time.monotonic()
+            if self._ready.closed:  # (get_notifs racing the backend's close)
+                return
+            for fd, _ in self._ready.poll(0):
+                conn = self._conns[fd]
+                for _ in range(_DRAIN):
+                    try:
+                        frame, _, flags, _ = conn.recvmsg(MAX_FRAME + 1)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError:
+                        frame, flags = b"", 0
+                    if not frame or flags & socket.MSG_TRUNC or len(frame) > MAX_FRAME:
+                        if frame:  # (empty: the peer closed; kvt never sends an empty message)
+                            self.refused += 1
+                            log.debug("notification socket %s: cut a connection that sent %d bytes at once",
+                                      self.name, len(frame))
+                        self._ready.unregister(fd)
+                        del self._conns[fd]
+                        conn.close()
+                        break
+                    self._handle(frame)
+
+    def tick(self) -> None:
+        """On the server thread: ``drain`` if nobody did for ``_POLL`` s."""
+        if time.monotonic() - self._last >= _POLL:
+            self.drain()
+
+    def close(self) -> None:
+        """Once the server thread stopped."""
+        with self._lock:
+            for conn in self._conns.values():
+                conn.close()
+            self._conns.clear()
+            self._ready.close()
+            self._sock.close()
+
+
+class NotifLink:
+    """A same-host peer's end of its notification socket, connected on first
+    use.  Used by one thread at a time (the holder of the peer's lane)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._sock: socket.socket | None = None
+
+    def send(self, frame: bytes, timeout: float | None) -> bool:
+        """Send ``frame`` as one message: True once sent.  False when this
+        channel cannot carry it (too large, or nobody reads the socket: the
+        owner is gone, or out of reach in another network namespace): the
+        caller moves to ZMQ for good.  ``timeout`` None: False
+        also when there is no room now (never waits); else up to that many
+        seconds for room, then ``TimeoutError``."""
+        if len(frame) > MAX_FRAME:
+            return False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if self._sock is None:
+                    sock = _socket()
+                    try:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
+                        sock.connect(b"\0" + self.name.encode())
+                    except OSError:
+                        sock.close()
+                        raise
+                    self._sock = sock
+                self._sock.send(frame, socket.MSG_NOSIGNAL)
+                return True
+            except (BlockingIOError, InterruptedError):  # no room (or the owner's backlog is full)
+                if deadline is None:
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the owner of {self.name} read no notification for {timeout:g}s") from None
+                if self._sock is None:
+                    time.sleep(min(left, 0.001))
+                else:  # a connected socket turns writable when there is room
+                    room = select.poll()
+                    room.register(self._sock, select.POLLOUT)
+                    room.poll(min(left, 0.05) * 1000)
+            except OSError as e:
+                log.debug("notification socket %s: %s; notifications go over ZMQ", self.name, e)
+                return False
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def unread(self) -> int:
+        """Bytes sent that the owner has not read yet (the kernel's ``SIOCOUTQ``)."""
+        if self._sock is None:
+            return 0
+        try:
+            return struct.unpack("i", fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        except OSError:
+            return 0
