@@ -329,11 +329,15 @@ class EtcdStore(Store):
         self._call("/v3/lease/revoke", {"ID": lease})
 
 
-# c10d connects its caller gave up on -> c10d's own deadline for them.  A c10d
+# c10d connects its caller gave up on -> how long exit waits for them.  A c10d
 # call that returns while the interpreter finalises kills the process (its
 # thread unwinds through C++ frames: "terminate called without an active
-# exception", SIGABRT), so exit waits for these until that deadline.
+# exception", SIGABRT), so exit waits for these until c10d gives up.  c10d
+# tries twice with a random pause between (2-3 timeouts measured idle, 4 on
+# a loaded machine); the margin is for a loaded machine, and costs nothing
+# once the thread ends.
 _ABANDONED_CONNECTS: "WeakKeyDictionary[threading.Thread, float]" = WeakKeyDictionary()
+_EXIT_MARGIN = 10.0  # seconds
 
 
 @atexit.register
@@ -350,8 +354,8 @@ class TcpStore(Store):
     on a thread of its own that the caller waits for within its timeout;
     while one call has not come back, further calls fail at once (at most
     one thread is ever left waiting on a silent store).  Exit waits for an
-    abandoned connect until c10d gives up on it (its retries end within
-    about three timeouts), never for an abandoned call on a silent store."""
+    abandoned connect until c10d gives up on it (up to four timeouts and
+    10 s), never for an abandoned call on a silent store."""
 
     def __init__(self, host: str, port: int, server: bool = False, timeout: float = 5.0):
         super().__init__()
@@ -393,7 +397,7 @@ class TcpStore(Store):
             with self._calls:
                 self._stuck = (t, what)
             if what == "connecting":
-                _ABANDONED_CONNECTS[t] = started + 3 * self.timeout + 1
+                _ABANDONED_CONNECTS[t] = started + 4 * self.timeout + _EXIT_MARGIN
             raise DiscoveryError(f"{self.where} did not answer ({what}) within {limit:g}s; is it a TCPStore, "
                                  "and is its host up?")
         if "error" in out:

@@ -648,6 +648,8 @@ class HostBackend(Backend):
                 guards = self._guards(peer, rp)
                 if guards is None:
                     return None
+                # encoded before the copy, which leaves this core's caches cold for it
+                frame = None if notif is None or peer is None else self._notif_frame(notif)
                 try:  # (the copy is counted in our slot on the peer's epoch page, or holds its lock: its
                     # deregister waits for it)
                     got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), self.inline_bytes, *guards)
@@ -663,7 +665,7 @@ class HostBackend(Backend):
                 except TransferError as e:
                     job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
                     job.state = XferState.err(e)
-                if job is _DONE and notif is not None and peer is not None and self._notif_now(peer, notif):
+                if job is _DONE and notif is not None and peer is not None and self._notif_now(peer, frame):
                     notif = None
             finally:
                 lane.leave()
@@ -958,23 +960,23 @@ class HostBackend(Backend):
         except RuntimeError:  # its worker was shut down (remove_remote or close) in between
             raise self._gone(peer) from None
 
-    def _notif_now(self, peer: _Peer, msg: bytes) -> bool:
-        """Send a notification on the caller's thread while it holds ``peer``'s
-        lane (the lane's socket is then its own): only on a socket open
-        already, and only if ZMQ queues it at once.  False leaves it to the
-        lane's worker, which may connect, or wait for room: a post never
-        blocks on a peer.  (Handing it to the worker costs a thread wake-up
-        and keeps the lane busy, so a request posted right after queues
-        behind the notification instead of copying here.)  A same-host
-        peer's goes on the owner's notification socket (``kvt_host.notifs``)
-        when it has room."""
+    def _notif_now(self, peer: _Peer, frame: bytes) -> bool:
+        """Send a notification, encoded (``_notif_frame``), on the caller's
+        thread while it holds ``peer``'s lane (the lane's socket is then its
+        own): only on a socket open already, and only if ZMQ queues it at
+        once.  False leaves it to the lane's worker, which may connect, or
+        wait for room: a post never blocks on a peer.  (Handing it to the
+        worker costs a thread wake-up and keeps the lane busy, so a request
+        posted right after queues behind the notification instead of copying
+        here.)  A same-host peer's goes on the owner's notification socket
+        (``kvt_host.notifs``) when it has room."""
         if peer.link is not None:
-            return peer.link.send(self._notif_frame(msg), None)
+            return peer.link.send(frame, None)
         sock = peer._sock
         if sock is None:
             return False
         try:  # (a sealed frame not sent only skips a counter value: the receiver wants them growing)
-            sock.send_multipart(self._notif_frames(peer, msg), flags=zmq.NOBLOCK)
+            sock.send_multipart(peer.seal([frame]), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             return False
         return True
