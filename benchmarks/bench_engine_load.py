@@ -1,7 +1,7 @@
 """Reference engine (``kvt demo --engine``): median load time per request
 next to ``kvt bench`` moving the same blocks on the same backend, in one run.
 
-    python benchmarks/bench_engine_load.py [--backends host,nixl,ucx] [--requests 12]
+    python benchmarks/bench_engine_load.py [--backends host,nixl,ucx] [--requests 12] [--rounds 1]
         [--blocks 64] [--layers 4] [--heads 8] [--head-dim 128] [--block-size 16] [--integrity]
 
 The engine runs ``--requests`` requests of exactly ``--blocks`` blocks, one
@@ -23,6 +23,9 @@ scheduler talks to it over a pipe, as vLLM's multiprocess executor), then
 with the decode worker in the decode scheduler's process (as vLLM runs tp=1;
 the prefill worker stays a process of its own, so the KV still comes from
 another process).
+``--rounds N`` repeats the engine runs and the benches, alternately, and
+ends with the median of the rounds' ratios: on a VM whose speed swings
+between periods, one round is a draw.
 ``--integrity`` instead runs the engine with integrity checks off, then on
 (``KVT_INTEGRITY=1``: each read proven against the prefill side's digests).
 """
@@ -115,6 +118,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the engine runs and the benches, alternately, this many times; then the median "
+                         "of the rounds' ratios (a VM's speed swings between periods: one round is a draw)")
     ap.add_argument("--integrity", action="store_true",
                     help="instead: the engine's load times with integrity checks off and on (KVT_INTEGRITY)")
     args = ap.parse_args()
@@ -128,20 +134,31 @@ def main() -> None:
     print("| backend | decode worker | engine load ms | worker posted -> landed ms | kvt bench READ ms "
           "| engine / bench | memcpy ms | kvt bench --cold READ ms | engine / cold bench | memcpy cold ms |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ratios: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for backend in args.backends.split(","):
-        runs = {}
-        for where, in_process in (("own process", False), ("in-process", True)):
-            loads, landed, nbytes = engine_loads(backend, args, in_process)
-            if nbytes != descs * part:
-                raise SystemExit(f"{backend}: a request moved {nbytes} bytes, expected {descs * part}")
-            runs[where] = statistics.median(loads), statistics.median(landed)
-        benches = [bench_read(backend, part, descs, cold) for cold in (False, True)]
-        for where, (load, landed) in runs.items():
-            cells = []
-            for b in benches:
-                memcpy = f"{1e3 * b['memcpy_s']:.2f}" if b["memcpy_s"] else "-"
-                cells += [f"{1e3 * b['median_s']:.2f}", f"{load / b['median_s']:.2f}x", memcpy]
-            print(f"| {backend} | {where} | {1e3 * load:.2f} | {1e3 * landed:.2f} | {' | '.join(cells)} |", flush=True)
+        for _ in range(args.rounds):
+            runs = {}
+            for where, in_process in (("own process", False), ("in-process", True)):
+                loads, landed, nbytes = engine_loads(backend, args, in_process)
+                if nbytes != descs * part:
+                    raise SystemExit(f"{backend}: a request moved {nbytes} bytes, expected {descs * part}")
+                runs[where] = statistics.median(loads), statistics.median(landed)
+            benches = [bench_read(backend, part, descs, cold) for cold in (False, True)]
+            for where, (load, landed) in runs.items():
+                cells = []
+                for b in benches:
+                    memcpy = f"{1e3 * b['memcpy_s']:.2f}" if b["memcpy_s"] else "-"
+                    cells += [f"{1e3 * b['median_s']:.2f}", f"{load / b['median_s']:.2f}x", memcpy]
+                ratios.setdefault((backend, where), []).append(tuple(load / b["median_s"] for b in benches))
+                print(f"| {backend} | {where} | {1e3 * load:.2f} | {1e3 * landed:.2f} | {' | '.join(cells)} |",
+                      flush=True)
+    if args.rounds > 1:
+        print(f"\nOver {args.rounds} rounds (each: the engine runs, then the benches):\n")
+        print("| backend | decode worker | engine / bench: median (range) | engine / cold bench: median (range) |")
+        print("|---|---|---|---|")
+        for (backend, where), rs in ratios.items():
+            cells = [f"{statistics.median(x):.2f}x ({min(x):.2f}-{max(x):.2f})" for x in zip(*rs)]
+            print(f"| {backend} | {where} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

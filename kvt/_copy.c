@@ -784,16 +784,23 @@ PyDoc_STRVAR(atomic_add_doc,
 "fence; returns the new value.  The address must be 8-byte aligned and\n"
 "mapped writable (the caller vouches, as for copy).");
 
-static PyObject *py_atomic_add(PyObject *self, PyObject *args)
+/* The uint64 at addr, or NULL (ValueError) if it cannot be one: its mapping the caller vouches for. */
+static uint64_t *word_at(unsigned long long addr)
 {
-    unsigned long long addr, delta;
-    if (!PyArg_ParseTuple(args, "KK", &addr, &delta))
-        return NULL;
     if (!addr || addr % 8) {
         PyErr_SetString(PyExc_ValueError, "address must be non-zero and 8-byte aligned");
         return NULL;
     }
-    uint64_t v = __atomic_add_fetch((uint64_t *)(uintptr_t)addr, (uint64_t)delta, __ATOMIC_SEQ_CST);
+    return (uint64_t *)(uintptr_t)addr;
+}
+
+static PyObject *py_atomic_add(PyObject *self, PyObject *args)
+{
+    unsigned long long addr, delta;
+    uint64_t *w;
+    if (!PyArg_ParseTuple(args, "KK", &addr, &delta) || !(w = word_at(addr)))
+        return NULL;
+    uint64_t v = __atomic_add_fetch(w, (uint64_t)delta, __ATOMIC_SEQ_CST);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     return PyLong_FromUnsignedLongLong(v);
 }
@@ -806,15 +813,12 @@ PyDoc_STRVAR(atomic_cas_doc,
 static PyObject *py_atomic_cas(PyObject *self, PyObject *args)
 {
     unsigned long long addr, expected, desired;
-    if (!PyArg_ParseTuple(args, "KKK", &addr, &expected, &desired))
+    uint64_t *w;
+    if (!PyArg_ParseTuple(args, "KKK", &addr, &expected, &desired) || !(w = word_at(addr)))
         return NULL;
-    if (!addr || addr % 8) {
-        PyErr_SetString(PyExc_ValueError, "address must be non-zero and 8-byte aligned");
-        return NULL;
-    }
     uint64_t want = expected;
-    return PyBool_FromLong(__atomic_compare_exchange_n((uint64_t *)(uintptr_t)addr, &want, (uint64_t)desired, 0,
-                                                       __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    return PyBool_FromLong(__atomic_compare_exchange_n(w, &want, (uint64_t)desired, 0, __ATOMIC_SEQ_CST,
+                                                       __ATOMIC_SEQ_CST));
 }
 
 /* keep_alive: the owner's side of the liveness word.  The keeper thread
@@ -972,10 +976,20 @@ PyDoc_STRVAR(set_spin_doc,
 "How long a copy helper watches for the next of back-to-back split requests\n"
 "before parking (0: it parks at once).");
 
+/* A setter's argument: a Python int in 0 .. 2**64 - 1. */
+static int u64_arg(PyObject *arg, uint64_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
 static PyObject *py_set_spin(PyObject *self, PyObject *arg)
 {
-    unsigned long long ns = PyLong_AsUnsignedLongLong(arg);
-    if (ns == (unsigned long long)-1 && PyErr_Occurred())
+    uint64_t ns;
+    if (u64_arg(arg, &ns) < 0)
         return NULL;
     pthread_mutex_lock(&pool.mu);
     __atomic_store_n(&pool.spin_ns, ns, __ATOMIC_RELAXED);
@@ -990,8 +1004,8 @@ PyDoc_STRVAR(set_stream_doc,
 
 static PyObject *py_set_stream(PyObject *self, PyObject *arg)
 {
-    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
-    if (n == (unsigned long long)-1 && PyErr_Occurred())
+    uint64_t n;
+    if (u64_arg(arg, &n) < 0)
         return NULL;
     __atomic_store_n(&stream_bytes, n, __ATOMIC_RELAXED);
     Py_RETURN_NONE;
