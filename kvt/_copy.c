@@ -4,7 +4,8 @@
  * (a column of a (n, 2) or (n, 3) row array needs no copy); lengths are an
  * array or one int for uniform blocks.  Runs contiguous on both sides merge
  * into one memmove.  Large requests are cut into pieces (up to 1 MiB) that
- * the caller and parked helper threads claim in turn.  Requests of at least
+ * the caller and parked helper threads claim in turn; the helpers are kept
+ * off the caller's CPU.  Requests of at least
  * `stream_bytes` in total are written with non-temporal stores (x86-64).
  * Callers (kvt/memcopy.py) vouch that every address is mapped: this module
  * checks shapes and types, not memory; but it refuses (ValueError) a row
@@ -25,6 +26,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/file.h>
@@ -219,8 +221,31 @@ static struct {
     int want, taken, active, started;
     int spin;              /* this request came back to back: helpers spin after it */
     uint64_t spin_ns, finished_ns;
+    int ntids, steered;    /* helpers' thread ids known; the CPU they are kept off (-1: none yet) */
+    pid_t tids[MAX_THREADS];
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0, 0, 0,
-          0, 0, 0};
+          0, 0, 0, 0, -1, {0}};
+
+/* Keep the helpers off the caller's CPU (called locked).  On a VM the guest
+   sees an idle vCPU the host took away as busy, so the scheduler wakes a
+   helper onto the caller's own CPU: the two take turns there while the other
+   CPU idles, and a split copy runs at one thread's speed (16 MiB: 1.25 ms
+   against 0.7, docs/performance.md).  Aimed again only when the caller's CPU
+   changed or a helper started; a caller that may run on one CPU only (pinned,
+   or a one-CPU cpuset) leaves the helpers as they are. */
+static void steer_helpers(void)
+{
+    int cpu = sched_getcpu();
+    cpu_set_t set;
+    if (cpu < 0 || cpu == pool.steered || pool.ntids == 0)
+        return;
+    if (sched_getaffinity(0, sizeof set, &set) != 0 || !CPU_ISSET(cpu, &set) || CPU_COUNT(&set) < 2)
+        return;
+    CPU_CLR(cpu, &set);
+    for (int i = 0; i < pool.ntids; i++)
+        (void)sched_setaffinity(pool.tids[i], sizeof set, &set); /* a failure leaves that one as it was */
+    pool.steered = cpu;
+}
 
 /* The previous request of at least the split size ended less than 4 x spin_ns ago
    (read unlocked: a heuristic, a stale answer costs a wake or a helper). */
@@ -246,6 +271,8 @@ static void *helper(void *arg)
 {
     unsigned long seen = (unsigned long)(uintptr_t)arg; /* the generation before the request that started it */
     pthread_mutex_lock(&pool.mu);
+    pool.tids[pool.ntids++] = (pid_t)syscall(SYS_gettid);
+    pool.steered = -1; /* the next request aims this one too */
     for (;;) {
         if (pool.spin && pool.gen == seen) {
             uint64_t ns = pool.spin_ns;
@@ -278,8 +305,9 @@ static void pool_after_fork(void)
     pthread_cond_init(&pool.go, NULL);
     pthread_cond_init(&pool.idle, NULL);
     pool.work = NULL;
-    pool.want = pool.taken = pool.active = pool.started = pool.spin = 0;
+    pool.want = pool.taken = pool.active = pool.started = pool.spin = pool.ntids = 0;
     pool.finished_ns = 0;
+    pool.steered = -1;
 }
 
 /* Hand `w` to up to `helpers` parked threads (starting them on first use);
@@ -302,6 +330,7 @@ static int pool_start(Work *w, int helpers)
             break; /* fewer helpers (or none): the caller takes the rest */
         pool.started++;
     }
+    steer_helpers();
     pool.work = w;
     pool.want = helpers;
     pool.taken = 0;

@@ -32,6 +32,10 @@ background, on a backend's worker while the thread that posted it goes on
 (polling, or computing), gets ``BACKGROUND_THREADS``: one CPU fewer, so it
 does not fight that thread for the machine (on 2 CPUs: 0.95-0.99x memcpy
 with one thread against 0.85-0.91x with two, next to a polling caller).
+The helpers may run on every CPU the posting thread may except the one it
+is on (re-aimed when that changes): on a VM the scheduler sees an idle vCPU
+the host took away as busy and wakes a helper onto the poster's own CPU,
+where the two take turns and a split copy runs at one thread's speed.
 """
 
 from __future__ import annotations

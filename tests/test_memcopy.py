@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from threading import get_native_id as threading_native_id
 
 import numpy as np
 import pytest
@@ -256,6 +257,33 @@ def test_split_copies_work_in_a_forked_child():
             pytest.fail("the forked child's split copy did not finish within 30 s")
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def _last_cpu() -> int:
+    """The CPU this thread last ran on (field 39 of its stat)."""
+    with open("/proc/thread-self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+
+
+@pytest.mark.skipif("native" not in ENGINES, reason="native engine not built")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to keep the helpers apart")
+def test_a_split_copys_helpers_are_kept_off_the_callers_cpu():
+    """A VM's scheduler can wake a helper onto the caller's own CPU (the idle
+    one looks busy to it), and the split copy then runs at one thread's
+    speed: the helpers may run on every CPU the caller may, but the caller's."""
+    block, n = 64 << 10, _ALWAYS_SPLIT // (64 << 10) + 4
+    src, dst, s, d = _tables(n, block)
+    di = np.arange(n, dtype=np.int64)
+    allowed, me = os.sched_getaffinity(0), threading_native_id()
+    seen = []
+    for _ in range(20):  # the caller may move between the copy and the look; once in place is proof
+        assert memcopy.copy_indexed(d, di, s, di, block, threads=2) == n * block
+        cpu = _last_cpu()
+        masks = {t: os.sched_getaffinity(t) for t in map(int, os.listdir("/proc/self/task")) if t != me}
+        if any(m == allowed - {cpu} for m in masks.values()):
+            return
+        seen.append((cpu, sorted(map(sorted, masks.values()))))
+    pytest.fail(f"no thread of this process is kept off the caller's CPU: (caller's CPU, masks) {seen[:3]}")
 
 
 @pytest.mark.parametrize("engine", ENGINES)
