@@ -259,6 +259,14 @@ def test_split_copies_work_in_a_forked_child():
     assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
+def _affinity(tid: int) -> set[int]:
+    """A thread's CPUs; empty if it ended meanwhile (another test's threads may)."""
+    try:
+        return os.sched_getaffinity(tid)
+    except ProcessLookupError:
+        return set()
+
+
 def _last_cpu() -> int:
     """The CPU this thread last ran on (field 39 of its stat)."""
     with open("/proc/thread-self/stat") as f:
@@ -279,7 +287,7 @@ def test_a_split_copys_helpers_are_kept_off_the_callers_cpu():
     for _ in range(20):  # the caller may move between the copy and the look; once in place is proof
         assert memcopy.copy_indexed(d, di, s, di, block, threads=2) == n * block
         cpu = _last_cpu()
-        masks = {t: os.sched_getaffinity(t) for t in map(int, os.listdir("/proc/self/task")) if t != me}
+        masks = {t: m for t in map(int, os.listdir("/proc/self/task")) if t != me and (m := _affinity(t))}
         if any(m == allowed - {cpu} for m in masks.values()):
             return
         seen.append((cpu, sorted(map(sorted, masks.values()))))
