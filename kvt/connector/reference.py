@@ -22,8 +22,11 @@ the backend it runs.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
+import pickle
+import select
 import time
 import traceback
 from collections import deque
@@ -42,6 +45,12 @@ __all__ = ["ToyModel", "EngineSpec", "RequestSpec", "RequestResult", "Report", "
 
 _PRIMES = {"float16": 2039, "bfloat16": 251, "float32": 16777213}  # integers each dtype holds exactly
 _REPLY_TIMEOUT = 60.0  # seconds a worker may take to answer one step
+# The scheduler busy-polls for a step's replies this long before it blocks, as
+# vLLM's multiprocess executor busy-polls its response queue: a reply that lands
+# while the scheduler sleeps waits for its wake-up, on a VM 150-250 us when the
+# CPU it sleeps on has halted (docs/performance.md).  It yields while it polls,
+# so the workers it waits for keep the CPUs.
+_REPLY_SPIN = 0.005
 
 
 @dataclass(frozen=True)
@@ -243,7 +252,7 @@ def _worker_main(spec: EngineSpec, rank: int, conn, env: dict[str, str]) -> None
     for k in _kvt_environment().keys() - env.keys():
         del os.environ[k]
     os.environ.update(env)
-    rank_ = None
+    rank_, conn = None, _Pipe(conn)
     try:
         rank_ = _Rank(spec, rank)
         conn.send(rank_.ready)
@@ -295,6 +304,40 @@ class _InProcessRank:
             self._rank.worker.shutdown()
 
 
+class _Pipe:
+    """One end of a worker's pipe, messages pickled with plain ``pickle``:
+    multiprocessing's pickler copies a dispatch table per message, and its
+    ``poll`` builds a selector per call, tens of microseconds each once a
+    copy has left the caches cold."""
+
+    def __init__(self, conn):
+        self._conn, self._poller = conn, select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN)
+
+    def send(self, msg: tuple) -> None:
+        self._conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+
+    def poll(self, timeout: float) -> bool:
+        return bool(self._poller.poll(math.ceil(timeout * 1000)))
+
+    def recv(self) -> tuple:
+        return pickle.loads(self._conn.recv_bytes())
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _await(conn, timeout: float) -> bool:
+    """Whether ``conn`` has a message within ``timeout`` s: polled for up to
+    ``_REPLY_SPIN`` s, then waited on."""
+    end = time.perf_counter() + _REPLY_SPIN
+    while not conn.poll(0):
+        if time.perf_counter() > end:
+            return conn.poll(timeout)
+        os.sched_yield()
+    return True
+
+
 def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "kvt.connector.worker", __name__])
@@ -341,7 +384,7 @@ class _Engine:
                             name=f"{spec.engine_id}-tp{rank}", daemon=True)
             p.start()
             child.close()
-            self.conns.append(parent)
+            self.conns.append(_Pipe(parent))
             self.procs.append(p)
 
     def start(self) -> None:
@@ -352,7 +395,7 @@ class _Engine:
     def _gather(self, want: str = "ok") -> list:
         out = []
         for rank, conn in enumerate(self.conns):
-            if not conn.poll(_REPLY_TIMEOUT):
+            if not _await(conn, _REPLY_TIMEOUT):
                 raise KvtTimeoutError(f"{self.spec.engine_id} rank {rank} did not answer within {_REPLY_TIMEOUT:g}s")
             try:
                 kind, value = conn.recv()

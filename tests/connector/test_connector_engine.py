@@ -287,3 +287,30 @@ def test_a_decode_worker_in_the_engines_process(monkeypatch):
 def test_in_process_is_refused_where_it_cannot_hold(change, why):
     with pytest.raises(InvalidArgument, match=why):
         run("host", [RequestSpec("r", 2 * BS, kill_prefill=True)], **change)
+
+
+def test_the_scheduler_waits_past_its_busy_poll_for_a_slow_reply_and_times_out(monkeypatch):
+    """The reference executor busy-polls a worker's pipe briefly, then blocks:
+    a reply later than the busy-poll is still taken, none within the timeout
+    is ``False``, and a worker gone (pipe closed) wakes the waiter to EOF."""
+    import multiprocessing
+    import threading
+    import time
+
+    from kvt.connector import reference
+
+    monkeypatch.setattr(reference, "_REPLY_SPIN", 0.001)
+    ours, theirs = (reference._Pipe(c) for c in multiprocessing.Pipe())
+    start = time.monotonic()
+    assert not reference._await(ours, 0.05)
+    assert time.monotonic() - start >= 0.05
+    late = threading.Timer(0.05, theirs.send, (("ok", {"r1"}),))
+    late.start()
+    assert reference._await(ours, 10)
+    assert ours.recv() == ("ok", {"r1"})
+    late.join()
+    theirs.close()
+    assert reference._await(ours, 10)
+    with pytest.raises(EOFError):
+        ours.recv()
+    ours.close()
