@@ -47,7 +47,7 @@ _PRIMES = {"float16": 2039, "bfloat16": 251, "float32": 16777213}  # integers ea
 _REPLY_TIMEOUT = 60.0  # seconds a worker may take to answer one step
 # The scheduler busy-polls for a step's replies this long before it blocks, as
 # vLLM's multiprocess executor busy-polls its response queue: a reply that lands
-# while the scheduler sleeps waits for its wake-up, on a VM 150-250 us when the
+# while the scheduler sleeps waits for its wake-up, on a VM 150-290 us when the
 # CPU it sleeps on has halted (docs/performance.md).  It yields while it polls,
 # so the workers it waits for keep the CPUs.
 _REPLY_SPIN = 0.005

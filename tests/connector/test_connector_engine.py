@@ -10,11 +10,15 @@ handshake is left anywhere (``Report.leaks``)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
+import threading
+import time
 
 import pytest
 
+from kvt.connector import reference
 from kvt.connector.reference import EngineSpec, RequestSpec, ToyModel, mixed_requests, run_pd
 from kvt.errors import InvalidArgument
 
@@ -293,12 +297,6 @@ def test_the_scheduler_waits_past_its_busy_poll_for_a_slow_reply_and_times_out(m
     """The reference executor busy-polls a worker's pipe briefly, then blocks:
     a reply later than the busy-poll is still taken, none within the timeout
     is ``False``, and a worker gone (pipe closed) wakes the waiter to EOF."""
-    import multiprocessing
-    import threading
-    import time
-
-    from kvt.connector import reference
-
     monkeypatch.setattr(reference, "_REPLY_SPIN", 0.001)
     ours, theirs = (reference._Pipe(c) for c in multiprocessing.Pipe())
     start = time.monotonic()
