@@ -14,7 +14,9 @@
  *                 errors' wording.
  *   RouteCore     a checked, prepped layout pairing (Agent._Route's fields).
  *   TransferCore  Transfer's fields, state(), release() and the finalizer
- *                 that hands a transfer dropped unreleased to its agent.
+ *                 that hands a transfer dropped unreleased to its agent;
+ *                 one the backend returned SETTLED for is DONE without
+ *                 asking it, and has nothing to release.
  *   block_index   Agent.block_index's common case (a list or tuple of ints,
  *                 all in range): one call instead of a few numpy calls,
  *                 which cost ~0.1 ms on caches an engine's step has just
@@ -32,7 +34,7 @@
 
 static PyTypeObject *transfer_type;             /* kvt.agent.Transfer (a subclass of TransferCore) */
 static PyObject *closed_error, *invalid_handle;  /* kvt.errors */
-static PyObject *proc_status;                    /* Status.PROC */
+static PyObject *proc_status, *done_state;      /* Status.PROC, XferState.DONE */
 static PyObject *np_empty, *np_int64;            /* numpy.empty, numpy.dtype(int64): block_index's result */
 static PyObject *s_transfer, *s_check_state, *s_release, *s_status, *s_slow, *s_kv;
 
@@ -272,6 +274,7 @@ typedef struct {
     PyObject *agent, *backend, *handle, *peer, *verify;
     long long nbytes, descs, t0, t1, t2;  /* t2 < 0: not settled yet (None) */
     char live;                            /* cleared by the one release that frees the handle */
+    char settled;                         /* the backend returned SETTLED: no call about it is due */
 } TransferCore;
 
 static int
@@ -313,7 +316,7 @@ agent_closed(PyObject *agent)
 static void
 Transfer_finalize(TransferCore *self)
 {
-    if (!self->live || self->agent == NULL || self->handle == NULL)
+    if (!self->live || self->settled || self->agent == NULL || self->handle == NULL)
         return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
@@ -341,6 +344,16 @@ Transfer_dealloc(TransferCore *self)
     tp->tp_free((PyObject *)self);  /* (subtype_dealloc drops a heap subclass's reference to its type) */
 }
 
+/* The backend returned SETTLED (the int 0): done at post, so completion was
+ * first seen when the post returned. */
+static void
+mark_settled(TransferCore *t)
+{
+    int overflow;
+    t->settled = PyLong_CheckExact(t->handle) && PyLong_AsLongLongAndOverflow(t->handle, &overflow) == 0;
+    t->t2 = t->settled ? t->t1 : -1;
+}
+
 static PyObject *
 new_transfer(PyObject *agent, PyObject *backend, PyObject *handle, long long nbytes, long long descs, long long t0,
              PyObject *peer)
@@ -357,8 +370,8 @@ new_transfer(PyObject *agent, PyObject *backend, PyObject *handle, long long nby
     t->verify = Py_NewRef(Py_None);
     t->nbytes = nbytes;
     t->descs = descs;
-    t->t2 = -1;
     t->live = 1;
+    mark_settled(t);
     return (PyObject *)t;
 }
 
@@ -392,8 +405,8 @@ Transfer_init(TransferCore *self, PyObject *args, PyObject *kwds)
     self->descs = descs;
     self->t0 = start;
     self->t1 = t1;
-    self->t2 = -1;
     self->live = 1;
+    mark_settled(self);
     return 0;
 }
 
@@ -415,6 +428,8 @@ Transfer_state(TransferCore *self, PyObject *unused)
         PyErr_Format(invalid_handle, "transfer %R was released; its state is gone (telemetry stays)", self->handle);
         return NULL;
     }
+    if (self->settled)
+        return Py_NewRef(done_state);
     PyObject *call[3] = {NULL, self->backend, self->handle};
     PyObject *s = PyObject_VectorcallMethod(s_check_state, call + 1, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (s == NULL || self->t2 >= 0)
@@ -438,6 +453,8 @@ Transfer_release(TransferCore *self, PyObject *unused)
     if (half_built(self))
         return NULL;
     self->live = 0;
+    if (self->settled)
+        Py_RETURN_NONE;
     int closed = agent_closed(self->agent);
     if (closed < 0)
         return NULL;
@@ -482,6 +499,12 @@ Transfer_get_live(TransferCore *self, void *closure)
     return PyBool_FromLong(self->live);
 }
 
+static PyObject *
+Transfer_get_settled(TransferCore *self, void *closure)
+{
+    return PyBool_FromLong(self->settled);
+}
+
 static PyMethodDef Transfer_methods[] = {
     {"state", (PyCFunction)Transfer_state, METH_NOARGS,
      "state()\n--\n\nThe backend's XferState of this transfer (InvalidHandle once released)."},
@@ -509,6 +532,7 @@ static PyMemberDef Transfer_members[] = {
 static PyGetSetDef Transfer_getset[] = {
     {"_t2", (getter)Transfer_get_t2, (setter)Transfer_set_t2, NULL, NULL},
     {"_live", (getter)Transfer_get_live, NULL, NULL, NULL},
+    {"_settled", (getter)Transfer_get_settled, NULL, NULL, NULL},
     {NULL}
 };
 
@@ -588,8 +612,8 @@ block_index(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 setup(PyObject *module, PyObject *args)
 {
-    PyObject *tt, *ce, *ih, *ps, *em, *i64;
-    if (!PyArg_ParseTuple(args, "O!OOOOO:setup", &PyType_Type, &tt, &ce, &ih, &ps, &em, &i64))
+    PyObject *tt, *ce, *ih, *ps, *ds, *em, *i64;
+    if (!PyArg_ParseTuple(args, "O!OOOOOO:setup", &PyType_Type, &tt, &ce, &ih, &ps, &ds, &em, &i64))
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)tt, &TransferCoreType)) {
         PyErr_SetString(PyExc_TypeError, "setup() needs a subclass of TransferCore");
@@ -599,6 +623,7 @@ setup(PyObject *module, PyObject *args)
     Py_XSETREF(closed_error, Py_NewRef(ce));
     Py_XSETREF(invalid_handle, Py_NewRef(ih));
     Py_XSETREF(proc_status, Py_NewRef(ps));
+    Py_XSETREF(done_state, Py_NewRef(ds));
     Py_XSETREF(np_empty, Py_NewRef(em));
     Py_XSETREF(np_int64, Py_NewRef(i64));
     Py_RETURN_NONE;
@@ -606,7 +631,8 @@ setup(PyObject *module, PyObject *args)
 
 static PyMethodDef module_methods[] = {
     {"setup", setup, METH_VARARGS,
-     "setup(Transfer, ClosedError, InvalidHandle, Status.PROC, numpy.empty, numpy.dtype(numpy.int64)): "
+     "setup(Transfer, ClosedError, InvalidHandle, Status.PROC, XferState.DONE, numpy.empty, "
+     "numpy.dtype(numpy.int64)): "
      "what the post path and block_index build and raise."},
     {"block_index", (PyCFunction)(void (*)(void))block_index, METH_FASTCALL,
      "block_index(block_ids, num_blocks, regions) -> int64 array, region-major, or None: "

@@ -36,7 +36,7 @@ from .errors import (AuthenticationError, ClosedError, ConfigError, HandshakeErr
                      ServerBusy, TransferTimeout, UnknownPeer, UnsupportedOperation, WireError)
 from . import integrity
 from .handshake import HandshakeServer, request
-from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index
+from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index, is_settled
 from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
 
 # the post path (Agent.transfer_blocks, Transfer.state/release) in C; the pure-Python twins below
@@ -180,6 +180,7 @@ def _resolve(fut, out, exc) -> None:
 
 
 _PROC = XferState.PROC.status
+_DONE_STATE = XferState.DONE
 
 #: transfer failures that mean the peer may have gone (and may come back as a new process)
 _PEER_LOST = (PeerDisconnected, TransferTimeout)
@@ -205,7 +206,7 @@ class _PyTransferCore:
     pure-Python twin of ``kvt._fastpath.TransferCore``."""
 
     __slots__ = ("_agent", "_backend", "handle", "nbytes", "descs", "peer", "verify",
-                 "_t0", "_t1", "_t2", "_live")
+                 "_t0", "_t1", "_t2", "_live", "_settled")
 
     def __init__(self, agent: "Agent", handle: XferHandle, nbytes: int, descs: int = 0, t0: int | None = None,
                  peer: str | None = None):
@@ -216,12 +217,16 @@ class _PyTransferCore:
         self.peer = peer
         #: with integrity checks on: proves the landed bytes once DONE (raises IntegrityError)
         self.verify = None
-        self._t2: int | None = None
+        # the backend answered SETTLED (done at post): nothing to ask it or release
+        self._settled = is_settled(handle)
+        self._t2: int | None = t1 if self._settled else None
         self._live = [True]  # emptied by the one release that frees the handle (list.pop is atomic)
 
     def state(self) -> XferState:
         if not self._live:
             raise InvalidHandle(f"transfer {self.handle} was released; its state is gone (telemetry stays)")
+        if self._settled:
+            return _DONE_STATE
         s = self._backend.check_state(self.handle)
         if self._t2 is None and s.status is not _PROC:
             self._t2 = perf_counter_ns()
@@ -236,7 +241,7 @@ class _PyTransferCore:
             self._live.pop()  # one thread wins; a concurrent second release finds it empty
         except IndexError:
             return
-        if self._agent._closed:
+        if self._settled or self._agent._closed:
             return
         try:
             self._backend.release(self.handle)
@@ -248,7 +253,7 @@ class _PyTransferCore:
         # agent releases it on its next post; never from here, since a finalizer may run
         # inside a backend call that holds the backend's lock
         try:
-            if self._live and not self._agent._closed:
+            if self._live and not self._settled and not self._agent._closed:
                 self._agent._orphans.append(self.handle)
         except AttributeError:  # half-built, or torn down at interpreter exit
             pass
@@ -1021,4 +1026,4 @@ class Agent(_AgentCore):
 if _fastpath is None:
     Agent.transfer_blocks = Agent._transfer_blocks
 else:
-    _fastpath.setup(Transfer, ClosedError, InvalidHandle, _PROC, np.empty, np.dtype(np.int64))
+    _fastpath.setup(Transfer, ClosedError, InvalidHandle, _PROC, _DONE_STATE, np.empty, np.dtype(np.int64))

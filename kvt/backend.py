@@ -14,9 +14,15 @@ Lifecycle of a transfer::
     while b.check_state(x).pending: ...                 # PROC -> DONE | ERR
     b.release(x)
 
+A request done before ``transfer`` returns may come back as ``SETTLED``
+instead of a handle (UCX and NIXL posts say the same): nothing to poll or
+free, and ``kvt.Agent`` then never calls the backend about it again.
+
 Contract every backend keeps (the conformance suite checks each):
 
 * ``transfer`` never blocks on the network; ``check_state`` never blocks long.
+* ``SETTLED`` means every byte is in place; ``check_state(SETTLED)`` is
+  ``DONE`` and ``release(SETTLED)`` does nothing, however often.
 * A ``notif`` attached to a transfer is delivered only after all its bytes
   have landed at the target.
 * Descriptors outside registered memory, an unknown peer, a released handle:
@@ -43,11 +49,11 @@ import numpy as np
 from .config import check_timeout
 from .errors import (ClosedError, ConfigError, InvalidArgument, InvalidHandle, KvtTimeoutError, UnknownPeer,
                      UnsupportedOperation)
-from .types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
-                    RegHandle, XferHandle, XferState, as_index)
+from .types import (SETTLED, Availability, Capabilities, Descs, MemKind, Op, PrepHandle,
+                    RegHandle, XferHandle, XferState, as_index, is_settled)
 
-__all__ = ["Backend", "CORE_OPTIONS", "RegionTable", "HandleTable", "take_handle", "PeerTable", "Inbox", "unknown_peer",
-           "seconds"]
+__all__ = ["Backend", "SETTLED", "CORE_OPTIONS", "RegionTable", "HandleTable", "take_handle", "PeerTable", "Inbox",
+           "unknown_peer", "seconds"]
 
 
 #: the options kvt itself sets for every backend (``auth_key`` only for ``uses_auth_key`` ones)
@@ -181,8 +187,10 @@ class Backend(abc.ABC):
                  notif: bytes | None = None) -> XferHandle:
         """Post a one-sided ``op`` pairing local rows ``local_idx`` with remote
         rows ``remote_idx`` (equal counts and pairwise equal lengths; ``None``
-        means every row).  Returns at once with a handle; never blocks on the
-        network.  ``notif`` reaches the remote agent after all bytes landed.
+        means every row).  Returns at once with a handle, or ``SETTLED`` if
+        every byte is in place already (a small same-host copy done on the
+        caller's thread); never blocks on the network.  ``notif`` reaches the
+        remote agent after all bytes landed.
         Errors in the arguments raise before any byte moves.  Initiators poll
         ``check_state`` until the transfer settles: a backend may make
         progress, and send the notification, only when polled (NIXL does)."""
@@ -373,24 +381,31 @@ class RegionTable:
 class HandleTable(dict):
     """Handle -> object.  Looking up a handle that is not there (released,
     never issued, or not a handle at all) raises ``InvalidHandle`` naming
-    ``what`` it should have been."""
+    ``what`` it should have been.  With ``settled`` (a backend's record of a
+    finished transfer), ``SETTLED`` is never stored yet always there: looked
+    up or taken, any number of times, it gives ``settled``."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, settled: Any = None):
         super().__init__()
-        self.what = what
+        self.what, self.settled = what, settled
 
     def __getitem__(self, handle):
         try:
             return super().__getitem__(handle)
         except (KeyError, TypeError):
+            if self.settled is not None and is_settled(handle):
+                return self.settled
             raise InvalidHandle(f"no {self.what} with handle {handle!r} (released?)") from None
 
     def take(self, handle):
         """Remove and return the object, or ``None`` if there is none."""
         try:
-            return self.pop(handle, None)
+            obj = self.pop(handle, None)
         except TypeError:  # unhashable: certainly not one of ours
             return None
+        if obj is None and self.settled is not None and is_settled(handle):
+            return self.settled
+        return obj
 
 
 def take_handle(preps: HandleTable, xfers: HandleTable, handle):

@@ -21,12 +21,24 @@ from .errors import InvalidArgument, InvalidDescriptor, TransferError
 
 __all__ = [
     "MemKind", "Op", "Status", "XferState", "Capabilities", "Availability",
-    "Descs", "RegHandle", "PrepHandle", "XferHandle", "as_index", "row_ends",
+    "Descs", "RegHandle", "PrepHandle", "XferHandle", "SETTLED", "is_settled", "as_index", "row_ends",
 ]
 
 RegHandle = NewType("RegHandle", int)
 PrepHandle = NewType("PrepHandle", int)
 XferHandle = NewType("XferHandle", int)
+#: What ``Backend.transfer`` returns for a request that completed before it
+#: returned, every byte in place (as UCX's ``NULL`` request and NIXL's
+#: ``NIXL_SUCCESS`` from a post): not a handle to anything, so there is nothing
+#: to poll or free; ``check_state(SETTLED)`` is ``DONE`` and
+#: ``release(SETTLED)`` does nothing, any number of times.  Handles of
+#: transfers are never 0.
+SETTLED = XferHandle(0)
+
+
+def is_settled(handle: Any) -> bool:
+    """``handle`` is ``SETTLED``: the int 0 itself (not a bool, numpy int or other int subclass)."""
+    return type(handle) is int and handle == SETTLED
 
 
 class MemKind(str, enum.Enum):

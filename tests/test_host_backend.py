@@ -1,5 +1,6 @@
 """The host backend across two real processes, over each of its paths."""
 
+import gc
 import time
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 import zmq
 
 from kvt import Agent, Descs, Op
+from kvt.types import SETTLED
 from kvt.errors import (ClosedError, InvalidArgument, InvalidDescriptor, InvalidHandle, KvtError,
                         PeerDisconnected, TransferError, UnknownPeer)
 from kvt.wire import decode, encode
@@ -132,27 +134,43 @@ def test_dead_peer_over_tcp_or_shm_never_hangs(transport):
             x.wait(8)
 
 
-def test_small_same_host_request_is_settled_when_transfer_returns():
+def test_small_same_host_request_is_settled_when_transfer_returns(monkeypatch):
     """The one-call path (shared segments, host memory): done before
-    ``transfer`` returns, no worker and no polling; a request over
-    ``inline_bytes`` takes the worker and lands the same bytes."""
+    ``transfer`` returns, which says so with ``SETTLED``, so the agent never
+    asks the backend about it again (no polling, nothing to release, not
+    an orphan when dropped); a request over ``inline_bytes`` takes the
+    worker, gets a handle, and lands the same bytes."""
     with peer_process(shared=True) as peer, \
             Agent(name="me", options={"timeout": 5, "inline_bytes": 2 * BLOCK}) as me:
         local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8)
         me.register_blocks("kv", [local])
         name = me.connect(peer.endpoint, timeout=10)
+        asked, be = [], me.backend
+        for verb in ("check_state", "release", "wait"):
+            monkeypatch.setattr(be, verb, lambda h, *a, _real=getattr(be, verb), _verb=verb:
+                                (asked.append(_verb), _real(h, *a))[1])
         x = me.read_blocks(name, [1, 2], [5, 0])
-        assert x.state().done
-        x.release()
+        assert x.handle == SETTLED
         assert np.array_equal(local[[1, 2]], pattern()[[5, 0]])
+        assert x.state().done and x.telemetry.xfer_s is not None
+        x.wait(0)
+        x.release()
+        me.read_blocks(name, [1], [5])  # dropped unreleased
+        gc.collect()
+        assert asked == [] and me._orphans == []
         with me.read_blocks(name, [3, 4, 6], [7, 8, 9]) as big:  # 3 blocks > inline_bytes
+            assert big.handle != SETTLED
             big.wait(10)
         assert np.array_equal(local[[3, 4, 6]], pattern()[[7, 8, 9]])
+        assert "check_state" in asked and "release" in asked
         local[10] = 77
         w = me.write_blocks(name, [10], [11])
-        assert w.state().done
+        assert w.handle == SETTLED and w.state().done
         w.release()
         assert (peer.contents()[11] == 77).all()
+        assert be.check_state(SETTLED).done  # the protocol's answers, however often
+        be.release(SETTLED)
+        be.release(SETTLED)
 
 
 def test_a_notification_after_an_inline_copy_is_sent_by_the_posting_thread(monkeypatch):

@@ -10,10 +10,10 @@ import time
 
 import msgspec
 import numpy as np
-from kvt.backend import Inbox, take_handle
+from kvt.backend import HandleTable, Inbox, take_handle
 from kvt.errors import (InvalidArgument, InvalidDescriptor, PeerDisconnected, RemoteRejected, TransferError, WireError,
                         UnsupportedOperation)
-from kvt.types import Descs, MemKind, Op, XferState, as_index
+from kvt.types import SETTLED, Descs, MemKind, Op, XferState, as_index
 from kvt.wire import decode
 from kvt_example.backend import _AGENTS, _AGENTS_LOCK, ExampleBackend, ExampleMetadata, _copy, _Job, _rows
 
@@ -139,6 +139,25 @@ class BrokenDeregisterNoDrain(ExampleBackend):
     def deregister(self, handle):
         self._check_open()
         self._regions.remove(handle)
+
+
+class BrokenSettledEarly(ExampleBackend):
+    """Test double: answers ``SETTLED`` as soon as a transfer is queued (as
+    if posted meant done); its bytes land ``LAG`` later."""
+
+    def __init__(self, agent_name, options=None):
+        super().__init__(agent_name, options)
+        done = _Job(Op.READ, None, None, None, None)
+        done.state = XferState.DONE
+        self._xfers = HandleTable("transfer", settled=done)
+
+    def transfer(self, *args, **kwargs):
+        super().transfer(*args, **kwargs)  # its handle stays in the table, never given out
+        return SETTLED
+
+    def _run(self, job):
+        time.sleep(LAG)
+        super()._run(job)
 
 
 class BrokenReleaseReturnsEarly(ExampleBackend):
@@ -538,6 +557,7 @@ OWN_TIMEOUTS = {"BrokenHostBlockingCheckState", "BrokenHostFailsOnePerTimeout", 
 SUITES = {
     "BrokenDeregisterNoDrain": ("RegistrationTests", "OwnerCheckTests", "CompletionTests"),
     "BrokenReleaseReturnsEarly": ("TransferTests", "CompletionTests", "EngineScenarioTests"),
+    "BrokenSettledEarly": ("RegistrationTests", "CompletionTests"),
     "BrokenNotifAfterFirstRequest": ("DescriptorTests", "TransferTests", "NotificationTests"),
     "BrokenRangeArithmetic": ("RegistrationTests", "TransferTests", "ErrorTests"),
     "BrokenOwnerChecksStartsOnly": ("TransferTests", "OwnerCheckTests"),
@@ -572,6 +592,6 @@ VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDon
             BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenLongPeerName, BrokenReaddDropsPeer, BrokenAcceptsAnyOption,
             BrokenCloseNoDrain, BrokenTruncatesLongRows, BrokenTransferAfterRemove, BrokenRemoveKeepsInFlight,
             BrokenDupAttachedNotif, BrokenNotifToLastPeer, BrokenNotifyNoSizeCheck, BrokenNotifyNoTypeCheck,
-            BrokenReleasePrepEndsTransfers, BrokenLeaksWorkerOnClose, BrokenUnhashablePeerName)
+            BrokenReleasePrepEndsTransfers, BrokenLeaksWorkerOnClose, BrokenUnhashablePeerName, BrokenSettledEarly)
 if HostBackend is not None:
     VARIANTS += (BrokenHostBlockingCheckState, BrokenHostFailsOnePerTimeout, BrokenHostDeregisterNoDrain)

@@ -183,6 +183,10 @@ EXPECT = {
         [f"CompletionTests::test_releasing_preps_leaves_their_transfers_alone[local-{op}]" for op in ("READ", "WRITE")],
         ["descriptors", *(f"CompletionTests::test_{t}[local-{op}]" for t in ("release_in_flight", "done_stays_done")
                           for op in ("READ", "WRITE"))]),
+    "BrokenSettledEarly": (
+        [f"CompletionTests::test_never_done_before_the_data[local-{op}-DRAM]" for op in ("READ", "WRITE")]
+        + ["CompletionTests::test_handles_are_distinct"],
+        ["registration"]),
     "BrokenLeaksWorkerOnClose": (
         ["ConcurrencyTests::test_closed_backends_leave_no_thread_or_fd_behind"],
         ["errors", "ConcurrencyTests::test_many_in_flight[local-READ]"]),

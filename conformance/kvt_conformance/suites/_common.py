@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from kvt.types import Op
+import pytest
+from kvt.errors import InvalidHandle
+from kvt.types import Op, is_settled
 
 from ..buffers import pattern
 
@@ -28,6 +30,21 @@ def expected(op: Op, nbytes_dst: int, block_len: int, near_ids: Any, far_ids: An
     out = np.zeros((nbytes_dst // block_len, block_len), np.uint8)
     out[np.asarray(dst_ids, np.int64)] = src[np.asarray(src_ids, np.int64)]
     return out.ravel()
+
+
+def assert_released(backend: Any, handle: Any) -> None:
+    """What ``handle`` answers once released: a handle is gone
+    (``InvalidHandle`` from ``check_state`` and from a second ``release``);
+    ``SETTLED`` is no handle, so it stays ``DONE`` and releasing it again
+    does nothing."""
+    if is_settled(handle):
+        assert backend.check_state(handle).done, "check_state(SETTLED) must be DONE, released or not"
+        backend.release(handle)
+        return
+    with pytest.raises(InvalidHandle):
+        backend.check_state(handle)
+    with pytest.raises(InvalidHandle):
+        backend.release(handle)
 
 
 def destination(op: Op, near: Any, far: Any) -> Any:

@@ -17,7 +17,7 @@ from kvt.types import Descs, MemKind, Op
 from ..buffers import Buffer, pattern
 from ..fixtures import BackendFixtures, expect_done
 from ..requirements import check, requires
-from ._common import assert_bytes
+from ._common import assert_bytes, assert_released
 
 BLOCK, N = 256, 8
 _NO_SUCH_HANDLE = 424242
@@ -239,9 +239,7 @@ class ErrorTests(BackendFixtures):
         h = b.transfer(_op(b), setup.dp, [0], setup.sp, [0])
         expect_done(b, h, wait_for)
         b.release(h)
-        for call in (lambda: b.check_state(h), lambda: b.release(h)):
-            with pytest.raises(InvalidHandle):
-                call()
+        assert_released(b, h)
         b.release(setup.other)
         with pytest.raises(InvalidHandle):
             b.transfer(_op(b), setup.dp, [0], setup.other, [0])

@@ -40,7 +40,7 @@ from kvt.errors import (AuthenticationError, ClosedError, ConfigError, Handshake
                         InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError,
                         TransferTimeout, WireError)
 from kvt.handshake import connect
-from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
+from kvt.types import (SETTLED, Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState, as_index)
 from kvt.wire import decode, encode
 
@@ -119,7 +119,7 @@ _NO_LIMIT = (1 << 64) - 1
 
 
 _DONE = _Job(Op.READ, None, MemKind.DRAM, None, MemKind.DRAM, None, None)
-_DONE.state = XferState.DONE  # the record of every transfer settled inline: nothing to keep per transfer
+_DONE.state = XferState.DONE  # what SETTLED (a transfer settled inline) stands for in the transfer table
 
 
 def _held(peer: "_Peer | None", copy, *args):
@@ -439,7 +439,7 @@ class HostBackend(Backend):
         self._regions = RegionTable()
         self._mirrors = Mirrors()
         self._preps = HandleTable("prepped descriptor list")
-        self._xfers = HandleTable("transfer")
+        self._xfers = HandleTable("transfer", settled=_DONE)
         self._peers = PeerTable()  # name -> _Peer
         self._inbox = Inbox()
         #: transfers up to this many bytes between host memory on this host run in the calling thread
@@ -618,7 +618,7 @@ class HostBackend(Backend):
                    notif: bytes | None = None) -> XferHandle | None:
         """A same-host request between host memory, as one call of the copy
         engine (index checks, copy, epoch and liveness guards): on the
-        caller's thread and settled before it returns when the lane is idle
+        caller's thread and ``SETTLED`` before it returns when the lane is idle
         and it is at most ``inline_bytes``, else checked here and queued for
         the same call on the lane's worker.  A notification goes out after
         the copy (``_notif_now``, else from the lane's worker).  ``None`` when the general path
@@ -693,6 +693,8 @@ class HostBackend(Backend):
                 except RuntimeError:  # the peer's worker was shut down (remove_remote or close) in between
                     job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
                     job.state = XferState.err(self._gone(rp.peer))
+        if job is _DONE:  # every byte in place: nothing to keep, poll or free
+            return SETTLED
         h = self._next_id()
         self._xfers[h] = job
         return h
@@ -773,11 +775,6 @@ class HostBackend(Backend):
     def release(self, handle: XferHandle | PrepHandle) -> None:
         if self._closed:
             self._check_open()
-        try:  # the common case first: a transfer settled inline
-            if self._xfers.get(handle) is _DONE and self._xfers.pop(handle, None) is _DONE:
-                return
-        except TypeError:
-            pass  # unhashable: take_handle names the problem
         job = take_handle(self._preps, self._xfers, handle)
         if job is None or job is _DONE:
             return
