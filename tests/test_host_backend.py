@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvt import Agent, Descs, Op
+from kvt import Agent, Descs, Op, Transfer
 from kvt.types import SETTLED
 from kvt.errors import (ClosedError, InvalidArgument, InvalidDescriptor, InvalidHandle, KvtError,
                         PeerDisconnected, TransferError, UnknownPeer)
@@ -157,6 +157,9 @@ def test_small_same_host_request_is_settled_when_transfer_returns(monkeypatch):
         x.release()
         me.read_blocks(name, [1], [5])  # dropped unreleased
         gc.collect()
+        by_hand = Transfer(me, SETTLED, BLOCK)  # as the connector wraps what it posts itself
+        assert by_hand.state().done and by_hand.telemetry.xfer_s is not None
+        by_hand.release()
         assert asked == [] and me._orphans == []
         with me.read_blocks(name, [3, 4, 6], [7, 8, 9]) as big:  # 3 blocks > inline_bytes
             assert big.handle != SETTLED
