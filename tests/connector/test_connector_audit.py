@@ -2,7 +2,7 @@
 connections, which endpoints a request reads from, how the prefill side
 counts its readers, merged do_* flags, the replay guard's memory and host
 staging's index handling.  One process, host backend; lost peers are test
-doubles over ``backend.check_state``.  Every wait is bounded."""
+doubles over the backend's transfer verbs (loss_double.py).  Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from kvt import memory
 from kvt.connector import ConnectorScheduler, ConnectorWorker, EngineRequest, ReadNotif
 from kvt.connector.scheduler import _Spent
 from kvt.connector.staging import HostStaging, copy_blocks
-from kvt.errors import PeerDisconnected, UnknownPeer
-from kvt.types import XferState
+from kvt.errors import UnknownPeer
 
+from loss_double import LossDouble
 from test_connector_worker import BLOCKS, SPEC, config, pump
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,33 +76,6 @@ def free_port():
     return port
 
 
-class LossDouble:
-    """Over ``backend.check_state``: handles in ``hold`` stay pending, in
-    ``fail`` end with their peer lost; new handles are held while
-    ``hold_new``, failed while ``fail_new``."""
-
-    def __init__(self, backend):
-        self.real, self.hold, self.fail = backend.check_state, set(), set()
-        self.hold_new, self.fail_new = True, False
-
-    def __call__(self, h):
-        if h in self.fail:
-            return XferState.err(PeerDisconnected("test double: peer lost"))
-        if h in self.hold:
-            return XferState.PROC
-        if self.fail_new:
-            self.fail.add(h)
-            return self(h)
-        if self.hold_new:
-            self.hold.add(h)
-            return XferState.PROC
-        return self.real(h)
-
-    def lose(self, h):
-        self.hold.discard(h)
-        self.fail.add(h)
-
-
 def two_reads_in_flight(d, dsched, p1, p2, sinks):
     decode(dsched, "d-r1", p1, [5, 6])
     decode(dsched, "d-r2", p2, [7, 8])
@@ -128,8 +101,7 @@ def test_retry_started_on_a_connection_another_retry_made_refuses_a_restarted_pr
     # params that name no agents (without auth_key a client may drop them): the retry's check alone
     p1 = {**handoff(psched, [p_old], [1, 2], 8, "p-r1"), "remote_agents": []}
     p2 = {**handoff(psched, [p_old], [3, 4], 8, "p-r2"), "remote_agents": []}
-    double = LossDouble(d.agent.backend)
-    monkeypatch.setattr(d.agent.backend, "check_state", double)
+    double = LossDouble(d.agent.backend, monkeypatch)
     done = [set(), set()]
     h1, h2 = two_reads_in_flight(d, dsched, p1, p2, [(d, done)])
     double.hold_new = False
@@ -163,8 +135,7 @@ def test_reaping_an_idle_retired_connection_keeps_the_peer_a_busy_one_reads_from
     dsched = ConnectorScheduler(config("d"))
     p1 = handoff(psched, [p], [1, 2], 8, "p-r1")
     p2 = handoff(psched, [p], [3, 4], 8, "p-r2")
-    double = LossDouble(d.agent.backend)
-    monkeypatch.setattr(d.agent.backend, "check_state", double)
+    double = LossDouble(d.agent.backend, monkeypatch)
     done, psink = [set(), set()], [set(), set()]
     h1, h2 = two_reads_in_flight(d, dsched, p1, p2, [(d, done), (p, psink)])
     double.hold_new, double.fail_new = False, True  # d-r1's retry loses its peer again
@@ -183,8 +154,7 @@ def test_a_lost_read_whose_peer_is_unknown_fails_the_request_instead_of_raising(
     psched.set_worker_endpoints({0: ep}, {0: p.agent.name})
     d, _, _ = workers("d")
     dsched = ConnectorScheduler(config("d"))
-    double = LossDouble(d.agent.backend)
-    monkeypatch.setattr(d.agent.backend, "check_state", double)
+    double = LossDouble(d.agent.backend, monkeypatch)
     decode(dsched, "d-r", handoff(psched, [p], [1, 2], 8, "p-r"), [5, 6])
     done = [set(), set()]
     d.start_load_kv(dsched.build_connector_meta())

@@ -396,29 +396,19 @@ def test_host_staging_copies_blocks_both_ways():
 
 
 def test_read_that_lost_its_peer_is_retried_once(workers, monkeypatch):
-    """A read failing as if the prefill side had gone (a test double flips the
-    first read to ERR) is retried once after a new handshake, within the lease;
+    """A read failing as if the prefill side had gone (a test double fails
+    the first read) is retried once after a new handshake, within the lease;
     a second loss fails the request."""
-    from kvt.errors import PeerDisconnected
-    from kvt.types import XferState
+    from loss_double import LossDouble
 
     p, pkv, endpoint = workers("p", fill=True)
     d, dkv, _ = workers("d")
     psched, dsched = ConnectorScheduler(config("p")), ConnectorScheduler(config("d"))
     psched.set_worker_endpoints({0: endpoint}, {0: p.agent.name})
-    real = d.agent.backend.check_state
-    lose = {"left": 1}
-
-    def flaky(handle):
-        state = real(handle)
-        if lose["left"] and not state.pending:
-            lose["left"] -= 1
-            return XferState.err(PeerDisconnected("test double: the peer vanished"))
-        return state
-
-    monkeypatch.setattr(d.agent.backend, "check_state", flaky)
+    double = LossDouble(d.agent.backend, monkeypatch)
+    double.hold_new = False
     for req_id, losses, blocks in (("once", 1, [1, 2]), ("twice", 2, [3, 4])):
-        lose["left"] = losses
+        double.fail_next = losses
         params = handoff(psched, [p], blocks, 8, f"p-{req_id}")
         dreq = EngineRequest(f"d-{req_id}", 8, dict(params))
         dsched.update_state_after_alloc(dreq, [5, 6], dsched.get_num_new_matched_tokens(dreq, 0)[0])
