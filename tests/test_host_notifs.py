@@ -1,6 +1,7 @@
 """The host backend's same-host notification socket (kvt_host.notifs): what
 goes over it, in what order, and what its owner refuses."""
 
+import ctypes
 import os
 import socket
 import time
@@ -82,6 +83,49 @@ def test_notifications_nobody_asks_for_leave_the_socket_for_the_inbox():
         a.notify("b", b"hello")
         assert _until(lambda: link._sock is not None and link.unread() == 0, 5)
         assert b.backend._inbox.take() == {"a": [b"hello"]}
+
+
+class _RecordingEpoll:
+    """The listener's epoll object, counting the polls that go through
+    ``select`` (which let go of the GIL)."""
+
+    def __init__(self, ep):
+        self._ep, self.polls = ep, 0
+
+    def poll(self, *args):
+        self.polls += 1
+        return self._ep.poll(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._ep, name)
+
+
+@pytest.mark.parametrize("gil_holding", [True, False], ids=["ctypes", "select-fallback"])
+def test_asking_when_nothing_waits_keeps_the_gil(gil_holding, monkeypatch):
+    """An engine asks every step.  With nothing waiting, get_notifs finds so
+    by a zero-timeout epoll_wait through ctypes.PyDLL, which keeps the GIL: a
+    call that let go of it each step starved the process's other threads (a
+    tcp READ's worker waited seconds per step under vLLM;
+    benchmarks/bench_step_poll.py).  Messages that do wait are read as
+    before, and where libc cannot be loaded ``select`` does it all."""
+    from kvt_host import notifs
+
+    if gil_holding:
+        assert notifs._epoll_wait._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # PyDLL's: called holding the GIL
+    else:
+        monkeypatch.setattr(notifs, "_epoll_wait", None)
+    with Agent(name="a", options={"timeout": 5}) as a, Agent(name="b", options={"timeout": 5}) as b:
+        a.add_peer(b.info())
+        listener = b.backend._server.notifs
+        with listener._lock:
+            listener._ready = rec = _RecordingEpoll(listener._ready)
+        for _ in range(100):
+            assert b.get_notifs() == {}
+        assert rec.polls == (0 if gil_holding else 100)
+        a.notify("b", b"hello")
+        assert _collect(b.get_notifs, "a", 1) == [b"hello"]
+        assert rec.polls > (0 if gil_holding else 100)
+        assert a.backend._peers["b"].link._sock is not None  # it came over the socket, not ZMQ
 
 
 @pytest.mark.parametrize("name", ["", "@/tmp/.X11-unix/X0", "/tmp/kvt", "kvt-notif-1-" + "0" * 15,

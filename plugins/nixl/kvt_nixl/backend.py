@@ -127,6 +127,7 @@ class NixlBackend(_NixlCore, Backend):
 
     Options (all optional): ``backends`` (NIXL plugins, default
     ``["UCX"]``), ``num_threads``, ``progress_thread`` (default on), ``progress_delay_us`` (default 1000),
+    ``notif_quiet_us`` (default 10000),
     ``ucx_env`` (UCX_* settings for this agent, e.g. ``UCX_TLS``),
     ``backend_params`` (per-plugin NIXL init parameters), ``timeout``
     (seconds, default 30).  See docs/backends/nixl.md.
@@ -149,6 +150,9 @@ class NixlBackend(_NixlCore, Backend):
         opts = parse_options(options or {})  # before the base class reads 'timeout'
         super().__init__(agent_name, options)
         self.timeout = opts.timeout
+        # without the progress thread NIXL's getNotifs is what progresses a target: ask it every time
+        self._notif_quiet = opts.notif_quiet_us / 1e6 if opts.progress_thread else 0.0
+        self._notifs_after = 0.0  # monotonic time before which get_notifs does not ask NIXL
         avail = native.availability()
         if not avail.usable:
             raise BackendUnavailable(f"nixl backend cannot run here: {avail.reason}")
@@ -693,6 +697,10 @@ class NixlBackend(_NixlCore, Backend):
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         self._check_open()
+        if self._notif_quiet:
+            now = time.monotonic()
+            if now < self._notifs_after:
+                return {}  # asked again right after finding nothing (an engine's step loop)
         try:
             with self._nixl:
                 got = self._agent.get_new_notifs()
@@ -707,6 +715,8 @@ class NixlBackend(_NixlCore, Backend):
                 got[sender] = kept = [m for m in msgs if len(m) <= limit]
                 log.debug("dropped %d notification(s) over %d bytes from %r", len(msgs) - len(kept), limit,
                           sender[:64])
+        if self._notif_quiet:
+            self._notifs_after = 0.0 if got else now + self._notif_quiet
         return {s: m for s, m in got.items() if m}
 
     # -- lifecycle ------------------------------------------------------------

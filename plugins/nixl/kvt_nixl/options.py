@@ -28,6 +28,12 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
     #: up to milliseconds; it wakes at once on a UCX event).  0 = spin (nixl_agent's
     #: default), which costs a whole core per agent
     progress_delay_us: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1000
+    #: with the progress thread on: after a ``get_notifs`` that found nothing, the next
+    #: ones within this many microseconds answer from kvt without asking NIXL.  NIXL's
+    #: call lets go of the GIL; an engine asking every step (thousands of times a second)
+    #: would starve the process's other threads (kvt's handshakes), which CPython lets in
+    #: only after 5 ms without a release.  0 = ask NIXL every time
+    notif_quiet_us: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 10_000
     #: UCX_* environment settings applied while the agent's backends are
     #: created (e.g. ``{"UCX_TLS": "cma,tcp,self"}``), then restored
     ucx_env: dict[str, str | int] = {}

@@ -112,6 +112,47 @@ def test_local_transfers_and_their_notification(make_backend):
     assert got == {b.agent_name: [b"local"]}
 
 
+def _counting_notifs(b, monkeypatch) -> list:
+    asked, real = [], b._agent.get_new_notifs
+    monkeypatch.setattr(b._agent, "get_new_notifs", lambda *a: (asked.append(1), real(*a))[1])
+    return asked
+
+
+def test_asked_every_step_nixl_is_asked_once_per_quiet_window(make_backend, monkeypatch):
+    """NIXL's getNotifs lets go of the GIL; an engine asking every step would
+    starve the process's other threads (benchmarks/bench_step_poll.py).
+    After a call that found nothing, calls within ``notif_quiet_us`` answer
+    without NIXL; what arrived meanwhile comes with the first call after it,
+    and after a call that found something the next one asks NIXL at once."""
+    b = make_backend(notif_quiet_us=1_000_000)
+    asked = _counting_notifs(b, monkeypatch)
+    buf = np.zeros((2, BLOCK), np.uint8)
+    b.register(Descs.from_buffers([buf]))
+    p = b.prep(None, Descs.from_blocks(buf.ctypes.data, BLOCK, range(2)))
+    assert b.get_notifs() == {} and len(asked) == 1
+    assert settle(b, b.transfer(Op.WRITE, p, [0], p, [1], notif=b"landed")).done
+    for _ in range(100):
+        assert b.get_notifs() == {}
+    assert time.monotonic() < b._notifs_after and len(asked) == 1  # (still within the window)
+    got, deadline = {}, time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        got = b.get_notifs()
+    assert got == {b.agent_name: [b"landed"]} and len(asked) == 2
+    assert b.get_notifs() == {} and len(asked) == 3, "asked at once after a call that found something"
+
+
+@pytest.mark.parametrize("options", [{"notif_quiet_us": 0}, {"progress_thread": False}],
+                         ids=["quiet-0", "no-progress-thread"])
+def test_nixl_is_asked_every_time_without_a_quiet_window(make_backend, monkeypatch, options):
+    """``notif_quiet_us=0``, and without the progress thread, where getNotifs
+    is what progresses a target: every call asks NIXL."""
+    b = make_backend(**options)
+    asked = _counting_notifs(b, monkeypatch)
+    for _ in range(20):
+        assert b.get_notifs() == {}
+    assert len(asked) == 20
+
+
 def test_zero_rows_is_done_and_still_notifies(pair):
     b, peer, name, lp, rp = pair
     h = b.transfer(Op.WRITE, lp, np.array([], np.int64), rp, [], notif=b"nothing-to-move")
