@@ -233,7 +233,10 @@ class Backend(abc.ABC):
         """Messages received since the last call, by sender agent name, in
         arrival order.  Never blocks.  None is longer than
         ``capabilities.max_notif_bytes``: a longer one (no kvt peer sends
-        it) is dropped on arrival."""
+        it) is dropped on arrival.  Engines call it every step, thousands
+        of times a second: with nothing waiting it should not let go of the
+        GIL (a release each step starves the process's other threads:
+        ``benchmarks/bench_step_poll.py``)."""
 
     # -- lifecycle ------------------------------------------------------------
 
