@@ -26,7 +26,6 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FuturesTimeout
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -57,18 +56,64 @@ _POLL = 0.05  # seconds between liveness checks while waiting on a peer
 _STREAM_RETRY = 5.0  # seconds of ZMQ messages after a peer's stream slots were full
 
 
-@dataclass
-class _Prep:
-    peer: str | None
-    descs: Descs
-    mapped: np.ndarray | None = None  # our addresses of a peer's rows in its shared segments
-    # for the one-call same-host path (_copy_here): host addresses we can copy at, their lengths
-    # (one int if uniform), and the peer and mapping generation the addresses belong to
-    addrs: np.ndarray | None = None
-    lengths: Any = None
-    owner: "_Peer | None" = None
-    gen: int = 0
-    inc: tuple | None = None  # the peer's incarnation whose registrations the rows were checked against
+# the same-host post's common case in C (kvt_host/_fastpath.c); HostBackend._transfer is its pure-Python
+# twin and takes every other case (KVT_NATIVE=0 forces it, as for kvt's own; it also needs kvt's copy engine)
+_fastpath = None
+if os.environ.get("KVT_NATIVE", "1") != "0" and memcopy.ENGINE == "native":
+    try:
+        from . import _fastpath
+    except ImportError:  # an install that skipped building extensions
+        pass
+
+
+class _PyPrepCore:
+    __slots__ = ("peer", "descs", "mapped", "addrs", "lengths", "owner", "gen", "inc")
+
+
+class _PyLaneCore:
+    """_Lane's claim on the caller's side (LaneCore in C)."""
+
+    __slots__ = ("_claim", "_busy", "_here")
+
+    def enter(self) -> bool:
+        """Claim the idle lane for work on the caller's thread (then ``leave``)."""
+        # _busy read twice without the lock: a job queued after the second read waits for our claim,
+        # one queued before it makes us back off (a caller never runs ahead of queued work)
+        if self._busy or not self._claim.acquire(False):
+            return False
+        if self._busy:
+            self._claim.release()
+            return False
+        self._here = True
+        return True
+
+    def leave(self) -> None:
+        self._here = False
+        self._claim.release()
+
+
+class _PyHostCore:
+    __slots__ = ()
+
+
+_PrepCore, _LaneCore, _HostCore = (_PyPrepCore, _PyLaneCore, _PyHostCore) if _fastpath is None else \
+    (_fastpath.PrepCore, _fastpath.LaneCore, _fastpath.HostCore)
+
+
+class _Prep(_PrepCore):
+    """A prepped list.  ``mapped``: our addresses of a peer's rows in its
+    shared segments.  For the one-call same-host path (``_copy_here``):
+    ``addrs``, host addresses we can copy at, and ``lengths``, their lengths
+    (one int if uniform); ``owner`` and ``gen``, the peer and mapping
+    generation the addresses belong to; ``inc``, the peer's incarnation whose
+    registrations the rows were checked against."""
+
+    __slots__ = ()
+
+    def __init__(self, peer: str | None, descs: Descs, mapped: np.ndarray | None = None, owner: "_Peer | None" = None,
+                 gen: int = 0, inc: tuple | None = None):
+        self.peer, self.descs, self.mapped, self.owner, self.gen, self.inc = peer, descs, mapped, owner, gen, inc
+        self.addrs = self.lengths = None
 
 
 _settle = threading.Lock()  # guards every job's state and waiter: held for a few instructions only
@@ -147,7 +192,7 @@ def _unless_stale(peer: "_Peer", copy, *args) -> bool:
     return True
 
 
-class _Lane:
+class _Lane(_LaneCore):
     """One worker thread, plus the right to run a job on the caller's thread
     instead when the lane is idle: small same-host copies then skip a thread
     hand-off, and jobs on a lane still never overlap (so they stay in order,
@@ -203,22 +248,6 @@ class _Lane:
             self._done()
             return True
         return False
-
-    def enter(self) -> bool:
-        """Claim the idle lane for work on the caller's thread (then ``leave``)."""
-        # _busy read twice without the lock: a job queued after the second read waits for our claim,
-        # one queued before it makes us back off (a caller never runs ahead of queued work)
-        if self._busy or not self._claim.acquire(False):
-            return False
-        if self._busy:
-            self._claim.release()
-            return False
-        self._here = True
-        return True
-
-    def leave(self) -> None:
-        self._here = False
-        self._claim.release()
 
 
 _NO_SEGS = (Descs.from_regions(np.zeros(0, np.uint64), np.zeros(0, np.uint64)), np.zeros(0, np.uint64))
@@ -408,7 +437,7 @@ def _checked(md: HostMetadata) -> tuple[dict[MemKind, Descs], np.ndarray]:
     return regions, segs
 
 
-class HostBackend(Backend):
+class HostBackend(_HostCore, Backend):
     """Host-buffer staging over shared memory, cross-memory attach or TCP.
 
     Options: ``timeout`` (s, default 30), ``transport`` (``auto`` | ``cma`` |
@@ -565,8 +594,8 @@ class HostBackend(Backend):
         self._preps[h] = p
         return PrepHandle(h)
 
-    def transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
-                 remote_idx: Any, notif: bytes | None = None) -> XferHandle:
+    def _transfer(self, op: Op, local_prep: PrepHandle, local_idx: Any, remote_prep: PrepHandle,
+                  remote_idx: Any, notif: bytes | None = None) -> XferHandle:
         if self._closed:
             self._check_open()
         if type(op) is Op:
@@ -602,6 +631,9 @@ class HostBackend(Backend):
                 return XferHandle(h)
         self._submit(lane, job, rp.peer)
         return XferHandle(h)
+
+    if _fastpath is None:  # else HostCore's, which hands what it does not cover to this
+        transfer = _transfer
 
     def _submit(self, lane: _Lane, job: _Job, peer: str | None) -> None:
         try:
@@ -655,16 +687,14 @@ class HostBackend(Backend):
                     got = self._copy_indexed(op, (lp, li, rp, ri, ln, checked), self.inline_bytes, *guards)
                 except (IndexError, ValueError, TypeError, OverflowError):
                     return None  # the general path checks again and names the problem
-                try:  # (its liveness check reads the peer's pidfd: still holding the lane)
-                    if got >= 0 and (peer is None or guards[2] >= 0 or guards[5]):
-                        job = _DONE  # the common case: copied, and the copy engine checked the owner lives
-                    elif self._copied(got, op, peer, guards[2]):
-                        job = _DONE
-                    elif got == memcopy.STALE:
-                        return None  # nothing copied: the owner's server judges a stale request
-                except TransferError as e:
-                    job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
-                    job.state = XferState.err(e)
+                # the common case: copied, and the copy engine checked the owner lives
+                out = SETTLED if got >= 0 and (peer is None or guards[2] >= 0 or guards[5]) else \
+                    self._after_copy(got, op, peer, guards[2])
+                if out is None and got == memcopy.STALE:
+                    return None  # nothing copied: the owner's server judges a stale request
+                if out is not None and out is not SETTLED:
+                    return out  # copied, but it does not count: a failed transfer
+                job = None if out is None else _DONE  # (None: TOO_BIG, nothing copied: queued below)
                 if job is _DONE and notif is not None and peer is not None and self._notif_now(peer, frame):
                     notif = None
             finally:
@@ -698,6 +728,21 @@ class HostBackend(Backend):
         h = self._next_id()
         self._xfers[h] = job
         return h
+
+    def _after_copy(self, got: int, op: Op, peer: "_Peer | None", pidfd: int) -> XferHandle | int | None:
+        """What ``copy_indexed``'s outcome ``got`` makes of a one-call request
+        (call holding the lane: the liveness check reads the peer's pidfd):
+        ``SETTLED`` if its bytes count, the handle of a failed transfer if
+        they were copied but do not, ``None`` if nothing was copied (``STALE``,
+        ``TOO_BIG``: the caller takes the request another way)."""
+        try:
+            return SETTLED if self._copied(got, op, peer, pidfd) else None
+        except TransferError as e:
+            job = _Job(op, None, MemKind.DRAM, None, MemKind.DRAM, None, peer)
+            job.state = XferState.err(e)
+            h = self._next_id()
+            self._xfers[h] = job
+            return XferHandle(h)
 
     def _guards(self, peer: "_Peer | None", rp: _Prep) -> tuple | None:
         """``copy_indexed``'s guards (epoch address, seen value, pidfd, epoch
@@ -1044,3 +1089,7 @@ class HostBackend(Backend):
         if not drained:
             raise KvtTimeoutError(f"a peer's request still used this agent's memory {self.timeout:g}s after "
                                   "close; do not free it yet (this should not happen: report it)")
+
+
+if _fastpath is not None:
+    _fastpath.setup(Op.READ, Op.WRITE, np.ndarray, memcopy.copy_indexed, SETTLED, memcopy.THREADS)
