@@ -10,6 +10,11 @@ interval) without a release.  A 10-row tcp READ then took over 10 s under a
 real vLLM (CI, 2026-12-07).  Baselines: the same loop without any kvt call,
 and raw ``nixl_agent.get_new_notifs`` (NIXL's call lets go of the GIL).
 
+With ``--in-flight`` each backend gets a second row: the step instead asks
+``Transfer.state()`` of a 64 MiB READ from a peer process (64 blocks of 1
+MiB), posting the next when it is done, as an engine polls its loads
+(NIXL's ``getXferStatus`` lets go of the GIL too).
+
 Measured here: the "engine" (the main thread, pinned to one CPU) loops
 ``get_notifs()`` plus ``--work`` iterations of Python per step; a helper
 thread (pinned to another CPU, as kvt's workers run where the scheduler
@@ -23,12 +28,16 @@ starvation.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import threading
 import time
 
-from kvt import Agent
+import numpy as np
+from kvt import Agent, Op, memory
+
+_BLOCKS, _BLOCK = 64, 1 << 20  # --in-flight: one READ of 64 MiB
 
 
 def run(step, wakes: int, work: int, limit: float) -> dict:
@@ -70,6 +79,49 @@ def _kvt(backend: str):
     return agent.get_notifs, agent.close
 
 
+def _serve(backend: str, endpoints, stop) -> None:
+    """The peer of ``--in-flight`` (a process of its own): registers the blocks, serves until told to stop."""
+    with Agent(name="step-poll-peer", backend=backend) as peer:
+        peer.register_blocks("kv", [memory.empty((_BLOCKS, _BLOCK))])
+        endpoints.put(peer.listen())
+        while not stop.wait(0.01):
+            peer.get_notifs()
+
+
+def _in_flight(backend: str):
+    """A step that asks the state of a READ from a peer process, and posts the next once it is done;
+    and a close.  Also counts posts and state() calls (printed with the row)."""
+    ctx = multiprocessing.get_context("spawn")
+    endpoints, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve, args=(backend, endpoints, stop), daemon=True)
+    proc.start()
+    agent = Agent(name=f"step-poll-{backend}", backend=backend)
+    agent.register_blocks("kv", [memory.empty((_BLOCKS, _BLOCK))])
+    peer = agent.connect(endpoints.get(timeout=60))
+    ids, cur, counts = np.arange(_BLOCKS, dtype=np.int64), [None], {"posts": 0, "asked": 0}
+
+    def step() -> None:
+        if cur[0] is None:
+            cur[0] = agent.transfer_blocks(Op.READ, peer, ids, ids, "kv")
+            counts["posts"] += 1
+            return
+        counts["asked"] += 1
+        if cur[0].state().done:
+            cur[0].release()
+            cur[0] = None
+
+    def close() -> None:
+        if cur[0] is not None:
+            cur[0].wait(30)
+            cur[0].release()
+        agent.close()
+        stop.set()
+        proc.join(30)
+
+    step.counts = counts
+    return step, close
+
+
 def _raw_nixl():
     """``nixl_agent.get_new_notifs`` as NIXL's Python API gives it, and a
     close.  No progress thread: nixl_agent's spins (it would take the
@@ -87,6 +139,7 @@ def main() -> None:
     ap.add_argument("--work", type=int, default=1000, help="Python loop iterations per step besides get_notifs")
     ap.add_argument("--limit", type=float, default=10.0, help="seconds before a starved run is cut short")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--in-flight", action="store_true", help="also a row per backend polling a 64 MiB READ")
     args = ap.parse_args()
     print(f"{'engine loop':<22} {'wakes':>5} {'wake ms med':>11} {'wake ms max':>11} {'seconds':>8} {'steps/s':>9}")
     for _ in range(args.rounds):
@@ -95,14 +148,18 @@ def main() -> None:
             if name == "nixl":
                 rows.append(("raw nixl_agent", _raw_nixl))
             rows.append((f"{name} get_notifs", lambda name=name: _kvt(name)))
+            if args.in_flight:
+                rows.append((f"{name} READ in flight", lambda name=name: _in_flight(name)))
         for label, make in rows:
             step, close = make()
             try:
                 r = run(step, args.wakes, args.work, args.limit)
             finally:
                 close()
+            counts = getattr(step, "counts", None)
             print(f"{label:<22} {r['wakes']:>5} {r['median_ms']:>11.2f} {r['max_ms']:>11.1f} {r['seconds']:>8.2f} "
-                  f"{r['steps_per_s']:>9.0f}", flush=True)
+                  f"{r['steps_per_s']:>9.0f}" + (f"  ({counts['posts']} READs posted, state() asked "
+                                                 f"{counts['asked']} times)" if counts else ""), flush=True)
 
 
 if __name__ == "__main__":
