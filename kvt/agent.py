@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import registry
+from . import extensions, registry
 from .config import Config, load_config
 from .auth import NotifSeal, Secret
 from .backend import Inbox, seconds as _seconds
@@ -41,15 +41,7 @@ from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, deco
 
 # the post path (Agent.transfer_blocks, Transfer.state/release) in C; the pure-Python twins below
 # run where it is not built, or with KVT_NATIVE=0 (both run the whole test suite)
-_fastpath = None
-if os.environ.get("KVT_NATIVE", "1") == "0":
-    POST_PATH_REASON = "KVT_NATIVE=0 forces the pure-Python post path"
-else:
-    try:
-        from . import _fastpath
-        POST_PATH_REASON = "C extension kvt._fastpath"
-    except ImportError as e:  # an install that skipped building extensions
-        POST_PATH_REASON = f"kvt._fastpath did not load ({e}); reinstall kvt with gcc and the Python headers present"
+_fastpath, POST_PATH_REASON = extensions.load("kvt._fastpath", "kvt", "pure-Python post path")
 #: ``"native"`` or ``"python"``: which post path ``Agent.transfer_blocks`` takes
 POST_PATH = "native" if _fastpath is not None else "python"
 

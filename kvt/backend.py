@@ -80,6 +80,10 @@ class Backend(abc.ABC):
     #: shared ``[options]`` table it does not know are dropped with a log line.  ``None``:
     #: undeclared, every key reaches the constructor.
     option_names: ClassVar[frozenset[str] | None] = None
+    #: for operators (``kvt backends``): which post path ``transfer`` takes in this process,
+    #: ``"native (why)"`` or ``"python (why)"``, for a backend with a compiled one and its
+    #: pure-Python twin; ``None``: it has one path only
+    post_path: ClassVar[str | None] = None
 
     def __init__(self, agent_name: str, options: Mapping[str, Any] | None = None):
         if not agent_name:

@@ -51,18 +51,14 @@ import select
 
 import numpy as np
 
+from . import extensions
+
 __all__ = ["copy", "copy_indexed", "gather", "scatter", "coalesce", "process_vm", "ENGINE", "ENGINE_REASON",
            "STALE", "TOO_BIG", "DEAD", "STALE_AFTER", "atomic_add", "atomic_cas", "keep_alive", "stop_alive"]
 
-_native = None
-if os.environ.get("KVT_NATIVE", "1") == "0":
-    ENGINE_REASON = "KVT_NATIVE=0 forces the pure-Python fallback"
-else:
-    try:
-        from . import _copy as _native
-        ENGINE_REASON = "C extension kvt._copy, GIL released"
-    except ImportError as e:  # e.g. an install that skipped building extensions
-        ENGINE_REASON = f"kvt._copy did not load ({e}); reinstall kvt with gcc and the Python headers present"
+_native, ENGINE_REASON = extensions.load("kvt._copy", "kvt", "pure-Python fallback")
+if _native is not None:
+    ENGINE_REASON += ", GIL released"
 #: ``"native"`` or ``"python"``: which engine ``copy`` uses
 ENGINE = "native" if _native is not None else "python"
 

@@ -96,6 +96,7 @@ class BackendStatus:
     capabilities: Capabilities | None
     availability: Availability
     options: frozenset[str] | None = None
+    post_path: str | None = None  #: the class's ``post_path``
 
     @property
     def usable(self) -> bool:
@@ -214,7 +215,7 @@ def _probe(info: BackendInfo) -> BackendStatus:
     except BackendLoadError as e:
         return BackendStatus(info, None, Availability(False, str(e)))
     names = None if cls.option_names is None else cls.option_names | {"timeout"}
-    return BackendStatus(info, cls.capabilities, _availability(cls), names)
+    return BackendStatus(info, cls.capabilities, _availability(cls), names, cls.post_path)
 
 
 def probe(name: str, timeout: float = PROBE_TIMEOUT) -> BackendStatus:

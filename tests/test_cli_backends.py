@@ -51,8 +51,12 @@ def test_backends_json_console_script_lists_host_usable():
     rows = {row["name"]: row for row in json.loads(r.stdout) if row["name"] != "dup"}
     host = rows["host"]
     assert list(host) == ["name", "entry_point", "distribution", "version", "capabilities", "usable", "reason",
-                          "options"]
+                          "options", "post_path"]
     assert (host["distribution"], host["usable"], host["reason"]) == ("kvt-host", True, "")
+    # the console script's process: the same environment (KVT_NATIVE) as this one
+    from kvt_host.backend import HostBackend
+    assert host["post_path"] == HostBackend.post_path and host["post_path"].startswith(("native (", "python ("))
+    assert rows["fake"]["post_path"] is None  # one path only
     assert "transport" in host["options"] and "timeout" in host["options"]
     assert rows["fake"]["options"] is None  # declares no option_names
     assert host["capabilities"]["mem_kinds"][0] == "DRAM" and "READ" in host["capabilities"]["ops"]
@@ -169,7 +173,9 @@ def test_backends_table_names_the_copy_engine_and_page_kind(capsys, monkeypatch)
     out = " ".join(capsys.readouterr().out.split())
     assert f"copy engine: {memcopy.ENGINE} (" in out
     assert f"non-temporal stores: {memcopy.STREAMING}" in out
-    assert f"post path: {agent.POST_PATH} (" in out
+    assert f"post path: Agent {agent.POST_PATH} (" in out
+    from kvt_host.backend import HostBackend
+    assert f"; host {HostBackend.post_path}" in out  # each backend with a compiled post path and its twin
     assert f"shared segments: {memory.page_policy()[0]} pages (" in out
     monkeypatch.setenv("KVT_HUGEPAGES", "0")
     assert cli.main(["backends"]) == 0

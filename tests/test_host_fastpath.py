@@ -29,6 +29,7 @@ native = pytest.mark.skipif(backend_mod._fastpath is None, reason="the C post pa
 def test_native_post_path_is_in_use_unless_disabled():
     """A build that silently lost the extension would pass every other test on the twin."""
     assert (backend_mod._fastpath is None) == (os.environ.get("KVT_NATIVE", "1") == "0")
+    assert HostBackend.post_path.startswith("python (" if backend_mod._fastpath is None else "native (")  # kvt backends
 
 
 def _blocks(buf: np.ndarray, block: int = BLOCK) -> Descs:

@@ -77,6 +77,8 @@ def as_json(status: registry.BackendStatus) -> dict[str, Any]:
         "reason": status.availability.reason,
         # the option keys it reads (-o KEY=VALUE); null: not declared, or not loaded
         "options": None if status.options is None else sorted(status.options),
+        # "native (why)" / "python (why)" for a backend with a compiled post path and its twin, else null
+        "post_path": status.post_path,
     }
 
 
@@ -111,7 +113,9 @@ def _print_table(rows: list[registry.BackendStatus], show_missing: bool) -> None
     console.print(Text.assemble(("copy engine: ", "bold"), f"{memcopy.ENGINE} ({memcopy.ENGINE_REASON}); "
                                 f"{memcopy.THREADS} threads per large request, {memcopy.BACKGROUND_THREADS} "
                                 f"off the posting thread; non-temporal stores: {memcopy.STREAMING}"))
-    console.print(Text.assemble(("post path: ", "bold"), f"{agent.POST_PATH} ({agent.POST_PATH_REASON})"))
+    paths = [f"Agent {agent.POST_PATH} ({agent.POST_PATH_REASON})", *(f"{s.info.name} {s.post_path}" for s in rows
+                                                                       if s.post_path)]
+    console.print(Text.assemble(("post path: ", "bold"), "; ".join(paths)))
     console.print(Text.assemble(("shared segments: ", "bold"), f"{kind} pages ({why})"))
     console.print(Text.assemble(("configured: ", "bold"), _configured(rows)))
     installed = {s.info.name for s in rows}

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import zmq
-from kvt import memory, memcopy
+from kvt import extensions, memory, memcopy
 from kvt.auth import Secret
 from kvt.epoch import Epoch, EpochWatch
 from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, seconds, take_handle
@@ -58,12 +58,9 @@ _STREAM_RETRY = 5.0  # seconds of ZMQ messages after a peer's stream slots were 
 
 # the same-host post's common case in C (kvt_host/_fastpath.c); HostBackend._transfer is its pure-Python
 # twin and takes every other case (KVT_NATIVE=0 forces it, as for kvt's own; it also needs kvt's copy engine)
-_fastpath = None
-if os.environ.get("KVT_NATIVE", "1") != "0" and memcopy.ENGINE == "native":
-    try:
-        from . import _fastpath
-    except ImportError:  # an install that skipped building extensions
-        pass
+_fastpath, _POST_PATH = extensions.load("kvt_host._fastpath", "kvt-host", "pure-Python post path",
+                                        None if memcopy.ENGINE == "native" else
+                                        f"kvt's native copy engine ({memcopy.ENGINE_REASON})")
 
 
 class _PyPrepCore:
@@ -447,6 +444,7 @@ class HostBackend(_HostCore, Backend):
 
     uses_auth_key = True  # its data server and peer sockets are authenticated with the agent's auth_key
     option_names = frozenset({"transport", "listen_host", "advertise_host", "inline_bytes"})  # docs/backends/host.md
+    post_path = extensions.summary(_fastpath, _POST_PATH)  # same-host requests
     capabilities = Capabilities(mem_kinds=frozenset(MemKind), ops=frozenset(Op), notifications=True,
                                 local=True, remote=True, cross_host=True, max_notif_bytes=1 << 20,
                                 cross_host_options={"transport": "tcp"}, owner_check="server",

@@ -28,12 +28,12 @@ kvt error.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
+from kvt import extensions
 from kvt.backend import Backend, PeerTable, RegionTable, unknown_peer
 from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import (BackendUnavailable, ClosedError, ConfigError, IncompatiblePeer, InvalidArgument,
@@ -60,12 +60,7 @@ _FEW = 16  # up to this many int64 ids go to NIXL as a list: cheaper than a chec
 
 # the hot path's common case in C (kvt_nixl/_fastpath.c); NixlBackend._transfer and _check_state are
 # its pure-Python twins, and take every other case (KVT_NATIVE=0 forces them, as for kvt's own)
-_fastpath = None
-if os.environ.get("KVT_NATIVE", "1") != "0":
-    try:
-        from . import _fastpath
-    except ImportError:  # an install that skipped building extensions
-        pass
+_fastpath, _POST_PATH = extensions.load("kvt_nixl._fastpath", "kvt-nixl", "pure-Python post path")
 _NEVER = float("inf")
 _MAX_ROWS = 2**31 - 1  # NIXL indexes descriptors with 32-bit ints
 #: removed peers kept loaded in NIXL for a re-add (see NixlBackend._parked); past it the oldest is unloaded
@@ -141,6 +136,7 @@ class NixlBackend(_NixlCore, Backend):
         # ended can still land when a stalled peer resumes (docs/backends/nixl.md)
         stops_on_err=False)
     option_names = OPTION_NAMES  # docs/backends/nixl.md
+    post_path = extensions.summary(_fastpath, _POST_PATH)
 
     @classmethod
     def availability(cls) -> Availability:
