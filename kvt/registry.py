@@ -183,6 +183,9 @@ def _load(info: BackendInfo) -> type[Backend]:
     if names is not None and not (isinstance(names, (set, frozenset)) and all(isinstance(n, str) for n in names)):
         raise BackendLoadError(f"backend {info.name!r} ({info.dist} {info.version}): {cls.__name__}.option_names "
                                f"is {names!r}, not None or a set of option names (str)")
+    if not (cls.post_path is None or isinstance(cls.post_path, str)):  # printed by kvt backends, in its JSON too
+        raise BackendLoadError(f"backend {info.name!r} ({info.dist} {info.version}): {cls.__name__}.post_path "
+                               f"is {type(cls.post_path).__name__}, not None or a str")
     return cls
 
 

@@ -130,6 +130,17 @@ def test_entry_point_that_is_not_a_backend(fake_plugins):
         registry.load_backend("notabackend")
 
 
+def test_post_path_must_be_text_or_none(fake_plugins, monkeypatch):
+    from kvt_fake_backends.doubles import FakeBackend
+
+    monkeypatch.setattr(FakeBackend, "post_path", object())  # kvt backends --json must stay valid JSON
+    with pytest.raises(BackendLoadError, match=r"FakeBackend\.post_path is object, not None or a str"):
+        registry.load_backend("fake")
+    assert not registry.probe("fake").usable
+    monkeypatch.setattr(FakeBackend, "post_path", "python (no compiler)")
+    assert registry.probe("fake").post_path == "python (no compiler)"
+
+
 def test_capabilities_must_be_declared_as_capabilities(fake_plugins):
     with pytest.raises(BackendLoadError, match=r"DictCapabilitiesFakeBackend\.capabilities is dict, "
                                                r"not a kvt\.Capabilities"):
