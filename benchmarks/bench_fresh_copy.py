@@ -1,6 +1,7 @@
 """The copy an engine's load makes: KV another process has just written.
 
     python benchmarks/bench_fresh_copy.py [--rounds 60] [--blocks 64] [--tensors 8] [--block-kib 32]
+        [--idle-ms 1,5,20]
 
 The reference engine's decode side copies blocks the prefill process wrote
 a moment before; a plain ``kvt bench`` re-reads a source no other core
@@ -12,7 +13,17 @@ mapping, after each of:
 
 - *just written*: a child process wrote those rows (as the prefill side);
 - *written, then evicted*: the child wrote them, then 64 MiB elsewhere;
-- *clean, cached*: nobody wrote them since the last copy (the warm bench).
+- *clean, cached*: nobody wrote them since the last copy;
+
+each after a 3 ms pause (the copy helpers park, as between an engine's
+steps), and then, with nobody writing them:
+
+- *clean, back to back*: right after the last copy (the warm bench);
+- *clean, N ms asleep* / *clean, N ms spinning*: N ms after the last copy
+  (``--idle-ms``), the process sleeping or busy on its CPU meanwhile.  If
+  the copy slows down as much spinning as asleep, it is the data that went
+  cold (on a VM, in a cache shared with the host's other tenants), not the
+  CPU that halted.
 
 The cases interleave, round after round, so a VM's swings between periods
 reach all of them alike.  Prints the median and quartiles of each, and
@@ -31,7 +42,15 @@ import numpy as np
 
 from kvt import memcopy
 
-CASES = ("just written", "written, then evicted", "clean, cached")
+#: name -> (what the writer does first: b"w" write, b"e" write and evict, b"" nothing; s asleep; s spinning)
+CASES = {"just written": (b"w", 0.003, 0.0), "written, then evicted": (b"e", 0.003, 0.0),
+         "clean, cached": (b"", 0.003, 0.0), "clean, back to back": (b"", 0.0, 0.0)}
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def main() -> None:
@@ -40,7 +59,12 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=64, help="blocks per tensor (the request's)")
     ap.add_argument("--tensors", type=int, default=8, help="layers x 2 (K and V)")
     ap.add_argument("--block-kib", type=int, default=32, help="one layer's K or V of one block")
+    ap.add_argument("--idle-ms", default="1,5,20", help="pauses after the last copy, asleep and spinning")
     args = ap.parse_args()
+    cases = dict(CASES)
+    for ms in (float(x) for x in args.idle_ms.split(",") if x):
+        cases[f"clean, {ms:g} ms asleep"] = (b"", ms / 1e3, 0.0)
+        cases[f"clean, {ms:g} ms spinning"] = (b"", 0.0, ms / 1e3)
     bl, per = args.block_kib << 10, 2 * args.blocks * (args.block_kib << 10)  # each tensor twice the request
     src_map, evict_map = mmap.mmap(-1, args.tensors * per), mmap.mmap(-1, 64 << 20)  # shared with the child
     src = np.frombuffer(src_map, np.uint8)
@@ -64,17 +88,19 @@ def main() -> None:
             os.write(done_w, b".")
         os._exit(0)
     os.close(ask_r), os.close(done_w)
-    times: dict[str, list[float]] = {c: [] for c in CASES}
+    times: dict[str, list[float]] = {c: [] for c in cases}
     base: list[float] = []
     nbytes = args.tensors * args.blocks * bl
     try:
         for r in range(args.rounds + 1):  # round 0 untimed: it starts the copy helpers and faults pages in
-            for case in CASES:
-                if case != "clean, cached":
-                    os.write(ask_w, b"w" if case == "just written" else b"e")
+            for case, (write, asleep, spinning) in cases.items():
+                memcopy.copy(dst_rows, src_rows, bl)  # "the last copy" every case's pause counts from
+                if write:
+                    os.write(ask_w, write)
                     if os.read(done_r, 1) != b".":
                         raise SystemExit("the writer process died")
-                time.sleep(0.003)  # the copy helpers park, as between an engine's steps
+                time.sleep(asleep)
+                _spin(spinning)
                 t = time.perf_counter()
                 memcopy.copy(dst_rows, src_rows, bl)
                 if r:
