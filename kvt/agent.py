@@ -35,7 +35,7 @@ from .errors import (AuthenticationError, ClosedError, ConfigError, HandshakeErr
                      InvalidArgument, InvalidHandle, KvtError, KvtTimeoutError, PeerDisconnected,
                      ServerBusy, TransferTimeout, UnknownPeer, UnsupportedOperation, WireError)
 from . import integrity
-from .handshake import HandshakeServer, request
+from .handshake import HandshakeServer, check_bind, request
 from .types import Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle, XferState, as_index, is_settled
 from .wire import AgentInfo, BlockLayout, HandshakeReply, HandshakeRequest, decode, encode
 
@@ -439,11 +439,12 @@ class Agent(_AgentCore):
         buffers = list(buffers)
         if not buffers:
             raise InvalidArgument("register_blocks needs at least one buffer")
-        if any(len(getattr(b, "shape", ())) < 1 or b.shape[0] < 1 or not getattr(b, "nbytes", 1) for b in buffers):
+        # first: it refuses what is no plain buffer (a sparse tensor, numpy as device memory) with its reason
+        descs = Descs.from_buffers(buffers, kind)
+        if any(len(getattr(b, "shape", ())) < 1 or b.shape[0] < 1 for b in buffers) or not descs.lengths.all():
             raise InvalidArgument("register_blocks takes block-first buffers with at least one block of at least "
                                   f"one byte (shape (num_blocks, ...)), got shapes "
                                   f"{[tuple(getattr(b, 'shape', ())) for b in buffers][:4]}")
-        descs = Descs.from_buffers(buffers, kind)
         nblocks = {int(b.shape[0]) for b in buffers}
         if len(nblocks) != 1 or len(set(descs.lengths.tolist())) != 1 or len(set(descs.devices.tolist())) != 1:
             raise InvalidArgument("every buffer of a layout needs the same shape, dtype and device "
@@ -451,12 +452,17 @@ class Agent(_AgentCore):
         num_blocks = nblocks.pop()
         block_len = int(descs.lengths[0]) // max(num_blocks, 1)
         with self._lock:
-            if layout in self._layout_regs:
+            old = self._layout_regs.get(layout)
+            if old is not None:
                 # preps first: a transfer posted meanwhile then finds its route gone and takes the new
                 # one, rather than a prep of memory that is no longer registered
                 self._drop_preps(lambda peer, name: name == layout and peer is None)
-                self.backend.deregister(self._layout_regs.pop(layout))
+            # the new registration before the old goes: memory in both (the same buffers registered
+            # again) stays registered throughout, so transfers of it run on (deregister stops only
+            # those of memory no registration holds any more)
             self._layout_regs[layout] = self.backend.register(descs)
+            if old is not None:
+                self.backend.deregister(old)
             self._layouts[layout] = BlockLayout(base_addrs=descs.addrs.tolist(), block_len=block_len,
                                                 num_blocks=num_blocks, stride=block_len,
                                                 device=int(descs.devices[0]), kind=descs.kind.value)
@@ -480,10 +486,10 @@ class Agent(_AgentCore):
     def listen(self, host: str | None = None, port: int | None = None) -> str:
         """Serve our ``AgentInfo`` on the handshake side channel; returns its endpoint."""
         self._check_open()
+        host, port = check_bind(self.config.listen_host if host is None else host,
+                                self.config.listen_port if port is None else port)  # refused even when listening
         if self._server is None:
-            self._server = HandshakeServer(self._answer, host or self.config.listen_host,
-                                           self.config.listen_port if port is None else port,
-                                           refuse=_refusal, secret=self.secret).start()
+            self._server = HandshakeServer(self._answer, host, port, refuse=_refusal, secret=self.secret).start()
         return self._server.endpoint
 
     @property

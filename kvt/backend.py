@@ -379,6 +379,13 @@ class RegionTable:
     def by_kind(self) -> dict[MemKind, Descs]:
         return dict(self._by_kind)
 
+    def lost(self, removed: Descs, rows: Any) -> bool:
+        """Whether ``rows`` (``(k, 3)``, of ``removed``'s kind) touch memory
+        that ``removed``, a registration just taken out, held and no
+        registration holds now: what a backend's ``deregister`` must stop its
+        own transfers and preps of (memory registered twice stays usable)."""
+        return removed.overlaps(rows) and bool((Descs(rows, removed.kind).locate(self.of(removed.kind)) < 0).any())
+
     def clear(self) -> None:
         with self._lock:
             self._regs.clear()
@@ -505,7 +512,11 @@ def seconds(timeout: Any, what: str = "timeout") -> float:
     both are refused (``InvalidArgument``), as is anything but a number.  For
     backends' ``wait`` and every other bounded wait."""
     if isinstance(timeout, (int, float, np.integer, np.floating)) and not isinstance(timeout, bool):
-        t = float(timeout)
+        try:
+            t = float(timeout)
+        except OverflowError:  # an int past any float (10**400): no wait is that long, nor that negative
+            raise InvalidArgument(f"{what} must be a finite number of seconds, got an int of "
+                                  f"{int(timeout).bit_length()} bits") from None
         if math.isfinite(t):
             return min(max(t, 0.0), threading.TIMEOUT_MAX)  # (longer overflows a thread wait)
     raise InvalidArgument(f"{what} must be a finite number of seconds, got {timeout!r}")

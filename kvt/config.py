@@ -230,12 +230,19 @@ def _check(field: str, value: Any, source: str) -> None:
     token = _converting.set(True)
     try:
         msgspec.convert({field: value}, Config)
-    except msgspec.ValidationError as e:
-        why = str(e).split(" - at `$", 1)[0]
+        if isinstance(value, str):
+            # non-UTF-8 bytes in an environment variable arrive as lone surrogates: refused here, not
+            # as a UnicodeEncodeError from deep in a handshake (or in each process `kvt demo` starts)
+            value.encode("utf-8")
+    except (msgspec.ValidationError, UnicodeEncodeError) as e:
+        why = str(e).split(" - at `$", 1)[0] if isinstance(e, msgspec.ValidationError) else \
+            f"not UTF-8 text (character {e.start} is not encodable); give UTF-8 text"
         if isinstance(value, dict) and _SECRET_FIELDS[0] in value:  # a key misplaced among backend options
             value = {**value, _SECRET_FIELDS[0]: "***"}
         shown = "***" if field in _SECRET_FIELDS else repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-        raise ConfigError(f"invalid {field} = {shown} from {source}: {why}") from e
+        # (a UnicodeEncodeError holds the whole text, which may be the secret key: not chained)
+        raise ConfigError(f"invalid {field} = {shown} from {source}: {why}") \
+            from (e if isinstance(e, msgspec.ValidationError) else None)
     finally:
         _converting.reset(token)
 

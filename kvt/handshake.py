@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import operator
 import os
 import re
 import socket
@@ -58,6 +59,27 @@ def _ms(seconds: float) -> int:
     """A ZMQ wait of ``seconds``: at least 1 ms, at most what its int holds
     (a longer timeout, which the config allows, raised OverflowError)."""
     return max(1, min(int(seconds * 1000), _MAX_MS))
+
+
+def check_bind(host: object, port: object) -> tuple[str, int]:
+    """``(host, port)`` to bind to, or ``InvalidArgument``: ZMQ takes the
+    endpoint as text, so a port of 99999, -1 or 1.5 bound some other port
+    while the endpoint named this one, and a host that is no text crashed."""
+    if not isinstance(port, bool):
+        try:
+            port = operator.index(port)
+        except TypeError:
+            pass
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidArgument(f"port must be an int in 0..65535 (0: any free port), got {port!r}"[:160])
+    ok = isinstance(host, str) and host and "\0" not in host
+    try:
+        ok = ok and bool(host.encode())
+    except UnicodeEncodeError:  # a lone surrogate
+        ok = False
+    if not ok:
+        raise InvalidArgument(f"host must be a non-empty host name or IP address, got {host!r}"[:160])
+    return host, port
 
 
 def _curve_pair(secret: Secret, role: bytes) -> tuple[bytes, bytes]:
@@ -112,6 +134,7 @@ class RouterServer:
                  refuse: Callable[[list, Exception], list | None] | None = None,
                  secret: Secret | None = None, covered: int | None = None,
                  max_unsent_bytes: int | None = None):
+        host, port = check_bind(host, port)  # before any socket exists
         self._handle, self._copy, self._refuse = handle, copy, refuse
         self._max_msg = max_msg_bytes
         self._max_unsent = MAX_UNSENT_REPLY_BYTES if max_unsent_bytes is None else max_unsent_bytes

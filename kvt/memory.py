@@ -163,6 +163,9 @@ def empty(shape: Any, dtype: Any = np.uint8) -> np.ndarray:
     if dtype.hasobject:
         raise InvalidArgument(f"dtype {dtype} holds Python objects, which cannot live in shared memory; "
                               "pass a numeric dtype")
+    if not dtype.itemsize:  # 'V0', 'S0': no bytes to lay out, and numpy cannot view memory as them
+        raise InvalidArgument(f"dtype {dtype} has items of 0 bytes; pass a dtype with a size, such as np.uint8")
+    shape = _dims(shape)  # plain ints: numpy's reshape refuses bools (True) with a TypeError
     nbytes = _nbytes(shape, dtype.itemsize)
     ram = _physical_memory()
     if ram is not None and nbytes > ram:  # the segment is pre-faulted: more than RAM gets us OOM-killed
@@ -198,15 +201,23 @@ def _physical_memory() -> int | None:
 _MAX_BYTES = 1 << 62  # no machine maps more; beyond it numpy's int64 sizes would wrap
 
 
+def _dims(shape: Any) -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints, not bools) as a tuple of ints."""
+    try:
+        try:
+            dims = (operator.index(shape),)
+        except TypeError:
+            dims = tuple(shape)
+        if any(isinstance(d, (bool, np.bool_)) for d in (shape, *dims)):
+            raise TypeError
+        return tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise InvalidArgument(f"shape {_shown(shape)} must be an int or a sequence of ints") from None
+
+
 def _nbytes(shape: Any, itemsize: int) -> int:
     """The bytes of ``shape`` (ints), computed exactly: ``np.prod`` in int64 wraps silently."""
-    try:
-        dims = [operator.index(shape)]
-    except TypeError:
-        try:
-            dims = [operator.index(d) for d in shape]
-        except TypeError:
-            raise InvalidArgument(f"shape {shape!r} must be an int or a sequence of ints") from None
+    dims = _dims(shape)
     if any(d < 0 for d in dims):
         raise InvalidArgument(f"negative size for shape {shape}")
     nbytes = math.prod(dims) * itemsize
@@ -223,6 +234,7 @@ def empty_tensor(shape: Any, dtype: Any = None):
     if not isinstance(dtype, torch.dtype):
         raise InvalidArgument(f"dtype must be a torch dtype such as torch.float16, got {_shown(dtype)}")
     itemsize = torch.empty((), dtype=dtype).element_size()
+    shape = _dims(shape)
     raw = empty((_nbytes(shape, itemsize),), np.uint8)
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 

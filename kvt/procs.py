@@ -14,7 +14,7 @@ import signal
 from .errors import ConfigError
 from .logs import log_to_stderr
 
-__all__ = ["host_id", "start_time", "child_of", "die_with_parent"]
+__all__ = ["host_id", "start_time", "is_process", "child_of", "die_with_parent"]
 
 
 def host_id() -> str:
@@ -28,13 +28,26 @@ def host_id() -> str:
 
 
 def start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks after boot; -1 if it is gone or a zombie."""
+    """Start time of process ``pid`` in clock ticks after boot; -1 if it is
+    gone, a zombie, or not a process but a thread of one: ``/proc/<tid>``
+    answers for every thread, and cma or ``/proc/<tid>/fd`` on a thread id
+    act on its whole process, so a peer naming one of our threads would pass
+    for another process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state, *rest = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/status") as f:
+            tgid = next((int(line.split()[1]) for line in f if line.startswith("Tgid:")), -1)
     except (OSError, ValueError, IndexError):
         return -1
-    return -1 if state in ("Z", "X") else int(rest[18])
+    return -1 if state in ("Z", "X") or tgid != pid else int(rest[18])
+
+
+def is_process(pid: int, start: int) -> bool:
+    """Whether ``pid`` is a live process started at ``start`` (a peer's
+    metadata's claim): never for a start of -1, which every dead pid and
+    every thread id reads."""
+    return start >= 0 and start_time(pid) == start
 
 
 _PR_SET_PDEATHSIG = 1

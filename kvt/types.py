@@ -163,8 +163,14 @@ def as_index(idx: Any, n: int, what: str = "index") -> np.ndarray:
             arr = np.asarray(idx)
         except (TypeError, ValueError, OverflowError):  # e.g. ragged [[1], [1, 2]]
             raise InvalidArgument(f"{what} must be a 1-D sequence of ints, got {_shown(idx)}") from None
+    given = arr  # for the message: uint64 ids past 2**63 show negative once cast
     if arr.dtype != _INT64 or arr.ndim != 1:
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            if arr.ndim == 1 and arr.dtype.kind in "fO" and type(idx) is not np.ndarray \
+                    and all(type(x) is int for x in idx):  # (error path) ints past int64: numpy made floats
+                lo, hi = (v if v.bit_length() <= 128 else f"<int of {v.bit_length()} bits>"
+                          for v in (min(idx), max(idx)))
+                raise InvalidArgument(f"{what} out of range: values must lie in [0, {n}), got [{lo}, {hi}]")
             raise InvalidArgument(f"{what} must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
         arr = arr.astype(np.int64)
     if arr.size:
@@ -175,7 +181,8 @@ def as_index(idx: Any, n: int, what: str = "index") -> np.ndarray:
         except TypeError:
             raise InvalidArgument(f"{what}: the count to check against must be an int, got {_shown(n)}") from None
         if past:
-            raise InvalidArgument(f"{what} out of range: values must lie in [0, {n}), got [{arr.min()}, {arr.max()}]")
+            raise InvalidArgument(f"{what} out of range: values must lie in [0, {n}), "
+                                  f"got [{given.min()}, {given.max()}]")
     return arr
 
 
@@ -341,9 +348,18 @@ class Descs:
         except TypeError:
             raise InvalidArgument(f"buffers must be a list of torch tensors or numpy arrays, got "
                                   f"{type(buffers).__name__}") from None
+        if kind is not None:
+            try:
+                kind = MemKind(kind)
+            except ValueError:
+                raise InvalidArgument(f"unknown memory kind {kind!r}; "
+                                      f"use one of {[k.value for k in MemKind]}") from None
         rows, kinds = [], set()
         for buf in buffers:
             if hasattr(buf, "data_ptr"):  # torch.Tensor
+                if str(getattr(buf, "layout", "torch.strided")) != "torch.strided":  # sparse, mkldnn...
+                    raise InvalidArgument(f"a {buf.layout} tensor has no one block of memory to register; "
+                                          "register a dense tensor (.to_dense())")
                 if not buf.is_contiguous():
                     raise InvalidArgument("tensor must be contiguous to be registered; call .contiguous() first")
                 dev = buf.device
@@ -352,6 +368,9 @@ class Descs:
                 rows.append((buf.data_ptr(), buf.numel() * buf.element_size(), dev.index or 0))
                 kinds.add(MemKind.of_device(dev))
             elif isinstance(buf, np.ndarray):
+                if kind is not None and kind is not MemKind.DRAM:  # backends reach device memory through torch
+                    raise InvalidArgument(f"a numpy array is host memory and cannot be registered as {kind.value}; "
+                                          "register it as DRAM, or pass a torch tensor to stand in for device memory")
                 if not buf.flags.c_contiguous:
                     raise InvalidArgument("numpy array must be C-contiguous to be registered")
                 rows.append((buf.ctypes.data, buf.nbytes, 0))
@@ -382,10 +401,13 @@ class Descs:
         seq = list(mem)
         if seq and (hasattr(seq[0], "data_ptr") or isinstance(seq[0], np.ndarray)):
             return cls.from_buffers(seq, kind)
+        # checked as from_regions' columns are: a float address (4096.9) is refused, not truncated
+        rows = _as_u64(seq, "descriptor rows (address, length, device)")
         try:
-            rows = np.array(seq, dtype=np.int64).reshape(-1, 3) if seq else np.zeros((0, 3))
-        except (TypeError, ValueError, OverflowError) as e:
-            raise InvalidArgument(f"descriptor rows must be (address, length, device) integer triples: {e}") from None
+            rows = rows.reshape(-1, 3)
+        except ValueError:
+            raise InvalidArgument(f"descriptor rows must be (address, length, device) integer triples, "
+                                  f"got {_shown(seq)}") from None
         return cls(rows, kind or MemKind.DRAM)
 
     # -- views --------------------------------------------------------------
@@ -464,6 +486,29 @@ class Descs:
             dsel = np.flatnonzero(devs == dev)
             out[dsel] = _contained(self.addrs[dsel], self.lengths[dsel], *index[dev][:3])
         return out
+
+    def overlaps(self, rows: Any) -> bool:
+        """Whether any of ``rows`` (``(k, 3)`` address, length, device, as
+        another list's ``array``) shares a byte with a row of this list on the
+        same device.  Vectorised, on ``locate``'s index: the last region
+        starting below a row's end overlaps it if the running maximum of the
+        ends reaches past the row's start.  (What ``deregister`` asks of the
+        requests still under way: do they touch the memory it removes?)"""
+        rows = np.asarray(rows, np.uint64).reshape(-1, 3)
+        if not len(rows) or not len(self):
+            return False
+        index = self._index if self._index is not None else self._build_index()
+        for dev in np.unique(rows[:, 2]).tolist():
+            if (found := index.get(dev)) is None:
+                continue
+            on = rows[:, 2] == dev
+            sel = rows if bool(on.all()) else rows[on]
+            ends, fits = row_ends(sel[:, 0], sel[:, 1])
+            ends = np.where(fits, ends, np.uint64(_U64_LIMIT - 1))  # a wrapping row reaches the top
+            pos = np.searchsorted(found[0], ends, side="left") - 1
+            if bool(((pos >= 0) & (found[1][np.maximum(pos, 0)] > sel[:, 0]) & (sel[:, 1] > 0)).any()):
+                return True
+        return False
 
     def _build_index(self) -> dict[int, tuple]:
         """Per device: region starts in order, the running maximum of their

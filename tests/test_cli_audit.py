@@ -300,6 +300,27 @@ def test_bench_unwritable_output_is_refused_before_running(flag, path):
     assert BANNER not in r.stderr
 
 
+def test_bench_plot_to_a_format_matplotlib_cannot_write_is_refused_before_running(tmp_path):
+    pytest.importorskip("matplotlib")
+    # before: the whole sweep ran, then matplotlib's ValueError ended in a traceback
+    r = run_kvt(*tiny("--plot", str(tmp_path / "plot.txt")))
+    assert_refused(r, "--plot", ".txt", ".png")
+    assert BANNER not in r.stderr and not (tmp_path / "plot.txt").exists()
+
+
+def test_bench_plot_that_matplotlib_fails_to_write_is_one_line(tmp_path, monkeypatch, capsys):
+    from kvt import cli
+
+    pytest.importorskip("matplotlib")
+
+    def refuse(rows, path, engines):
+        raise ValueError("Format 'png' is not supported here")
+
+    monkeypatch.setattr(report, "plot", refuse)
+    assert cli.main(tiny("--plot", str(tmp_path / "plot.png"))) == 2  # before: the ValueError escaped
+    assert "could not write it" in capsys.readouterr().err
+
+
 def test_bench_runs_each_backend_once():
     # before: --backend host,host ran host twice, listed it twice and pooled 4 "rounds" of 1
     with_json = Path("/tmp") / f"kvt-audit-{os.getpid()}.json"

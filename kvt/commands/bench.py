@@ -207,6 +207,21 @@ def _run_all(specs: list, plan, rounds: int, show_progress: bool) -> list:
     return combined
 
 
+def _check_plot_format(path: str) -> None:
+    """``InvalidArgument`` for a ``--plot`` file whose extension matplotlib
+    cannot write (it would tell only after the whole sweep).  No extension:
+    matplotlib's default format."""
+    from pathlib import Path
+
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix[1:].lower()  # as matplotlib's savefig reads it
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise InvalidArgument(f"--plot {path}: matplotlib cannot write .{suffix} files; name the file with one "
+                              f"of {', '.join('.' + f for f in sorted(formats))}")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..bench import add_ratios, format_size, merge_rounds, report
 
@@ -223,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the run, not after it
         raise InvalidArgument("--plot needs matplotlib, which is not installed; install it with "
                               "`pip install 'kvt[bench]'` (or `pip install matplotlib`), or drop --plot")
+    if args.plot:
+        _check_plot_format(args.plot)
     before, started = report.machine(), time.time()
     Console(stderr=True).print(
         f"kvt bench: {len(plan.cases)} cases x {len(specs)} engines ({', '.join(s.name for s in specs)}) "
@@ -259,7 +276,10 @@ def run(args: argparse.Namespace) -> int:
         if args.markdown:
             report.write_text(args.markdown, report.markdown(rows, engines))
         if args.plot:
-            report.plot(rows, args.plot, engines)
+            try:
+                report.plot(rows, args.plot, engines)
+            except ValueError as e:  # matplotlib's (a format it has, but cannot write here): one line
+                raise InvalidArgument(f"--plot {args.plot}: matplotlib could not write it: {e}") from None
     except OSError as e:
         raise KvtError(f"could not write the results to {e.filename or 'a file'}: {e.strerror or e}") from e
     failed = any(o.status == "error" for o in outcomes) or any(r["error"] for r in rows)

@@ -187,6 +187,8 @@ class _Packed:
             return _decoders[cls].decode(data)
         except msgspec.DecodeError as e:
             raise WireError(f"malformed {cls._what} ({len(data)} bytes): {e}") from e
+        except TypeError:  # not bytes at all (None, a str): what arrived is not a message
+            raise WireError(f"a {cls._what} is bytes (what encode() gives), got {type(data).__name__}") from None
 
 
 class ConnectorMetadata(_Packed, msgspec.Struct, kw_only=True):

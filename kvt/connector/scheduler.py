@@ -109,9 +109,25 @@ def _blocks(block_ids: Any) -> Sequence[int]:
                           f"got {type(block_ids).__name__}")
 
 
+def _id_array(block_ids: Sequence[int]) -> np.ndarray:
+    """``block_ids`` as a 1-D array of ints in [0, 2**63); ``InvalidArgument``
+    otherwise.  Checked whole, before any state changes: floats (which a
+    worker's decode refuses) or negative ids would otherwise break the step's
+    metadata for every request in it."""
+    try:
+        arr = np.asarray(block_ids)
+    except (TypeError, ValueError, OverflowError):  # ragged, or ints past uint64
+        arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0
+                                                      or (arr.dtype.kind == "u" and arr.max() >= 2**63))):
+        shown = f"dtype {arr.dtype}, shape {arr.shape}" if arr is not None else type(block_ids).__name__
+        raise InvalidArgument(f"block_ids must be a sequence of block ids, ints in [0, 2**63), got {shown}")
+    return arr
+
+
 def _ids(block_ids: Sequence[int]) -> list[int]:
-    """Block ids as Python ints (numpy's do not encode), without a per-id loop for a list."""
-    return block_ids if type(block_ids) is list else np.asarray(block_ids, np.int64).tolist()
+    """Checked block ids as Python ints (numpy's do not encode); vectorised, no per-id Python loop."""
+    return _id_array(block_ids).tolist()
 
 
 def prompt_identity(request: Request) -> bytes | None:
@@ -363,12 +379,11 @@ class ConnectorScheduler:
                 params["do_remote_decode"] = False
                 return
             if self.config.staging and len(block_ids):
-                self._stage(req_id, np.asarray(block_ids, np.int64))
+                self._stage(req_id, _id_array(block_ids).astype(np.int64, copy=False))
             return
         p = self._source(request)
         if p is None:
             return
-        self._checked.discard(req_id)  # scheduled: asked no more
         end = self._end_block(request, p)
         start = end - -(-max(num_external_tokens, 0) // self.config.kv.block_size)  # ceil: a partial block is re-read
         # nothing to load (a prefix hit, or vLLM computing it itself, e.g. for
@@ -376,11 +391,13 @@ class ConnectorScheduler:
         if start < end and (len(block_ids) < end or start < 0):
             raise InvalidArgument(f"request {request.request_id!r}: {num_external_tokens} tokens to load need "
                                   f"blocks {max(start, 0)}..{end - 1}, got {len(block_ids)} blocks")
+        local = _ids(block_ids[start:end]) if p.remote_block_ids else []  # refused before anything changes
+        self._checked.discard(req_id)  # scheduled: asked no more
         params["do_remote_prefill"] = False  # one transfer per request
         if params.get("do_remote_decode"):
             params["do_remote_decode"] = False  # a decode request (see above), never held as a prefill
         if p.remote_block_ids:
-            self._recv(req_id, p, _ids(block_ids[start:end]), p.remote_block_ids[start:end])
+            self._recv(req_id, p, local, p.remote_block_ids[start:end])
 
     def _stage(self, req_id: str, ids: np.ndarray) -> None:
         """Host staging: save the blocks of ``ids`` this step fills.  Blocks
@@ -469,6 +486,7 @@ class ConnectorScheduler:
             raise InvalidArgument("the prefill scheduler does not know its workers yet: call set_worker_endpoints"
                                   "(endpoints, agents) with each worker's register_kv_caches() and agent.name "
                                   "before handing requests off")
+        ids = _ids(block_ids[:full])  # refused before anything changes
         self._saved.pop(req_id, None)
         if aborted:
             self._to_save.pop(req_id, None)
@@ -484,7 +502,7 @@ class ConnectorScheduler:
                             "no prompt, and decode engines refuse them for requests that have prompt token ids "
                             "(logged once)", req_id[:80])
         out = TransferParams(
-            do_remote_prefill=True, remote_block_ids=_ids(block_ids[:full]), remote_engine_id=self.config.engine_id,
+            do_remote_prefill=True, remote_block_ids=ids, remote_engine_id=self.config.engine_id,
             remote_request_id=req_id, remote_host=self.config.side_channel_host,
             remote_port=self.config.side_channel_port or None, tp_size=self.config.tp_size,
             remote_endpoints=list(self._endpoints), remote_agents=list(self._agents), expires_at=expires_at,

@@ -236,22 +236,33 @@ class ConnectorWorker:
                     buffers.append(t)
         if len({int(t.shape[0]) for t in buffers}) != 1:
             raise InvalidArgument("every KV cache tensor needs the same number of blocks (first dimension)")
+        staging = None
         if self.config.staging:
             if not all(hasattr(t, "data_ptr") for t in buffers):
                 raise InvalidArgument("host staging (kv_buffer_device='cpu') copies from device tensors: "
                                       "numpy arrays are host memory already, register them without it")
-            self._staging = HostStaging(buffers, self._copy)
-            buffers = self._staging.host
+            staging = HostStaging(buffers, self._copy)
+            buffers = staging.host
         elif self._checker is not None and any(_device(t) != "cpu" for t in buffers):
             # kvt.integrity digests host memory: every read would fail its check
             raise ConfigError(f"integrity checks digest host memory and this KV cache is on "
                               f"{buffers[0].device}: set kv_buffer_device='cpu' (host staging) or turn them off")
-        self._layout = self.agent.register_blocks(_LAYOUT, buffers)
-        self._parts = 2 if spec.kv_layout == "joined" else 1
-        self._card = WorkerCard(engine_id=self.config.engine_id, tp_rank=self.rank, tp_size=self.config.tp_size,
-                                spec=spec, layers=list(kv_caches), parts=self._parts)
-        self.agent.extra.update(self._card.to_extra())
-        self.endpoint = self.agent.listen()
+        layout = self.agent.register_blocks(_LAYOUT, buffers)
+        parts = 2 if spec.kv_layout == "joined" else 1
+        card = WorkerCard(engine_id=self.config.engine_id, tp_rank=self.rank, tp_size=self.config.tp_size,
+                          spec=spec, layers=list(kv_caches), parts=parts)
+        extra = dict(self.agent.extra)
+        self.agent.extra.update(card.to_extra())
+        try:
+            self.endpoint = self.agent.listen()
+        except BaseException:
+            # (a busy port) the worker stays unregistered, so a retry can succeed; it registers
+            # the layout again, which replaces this registration
+            self.agent.extra.clear()
+            self.agent.extra.update(extra)
+            raise
+        # only now: a set _card is what lets the steps run
+        self._staging, self._layout, self._parts, self._card = staging, layout, parts, card
         return self.endpoint
 
     def _buffers_of(self, name: str, value: Any) -> list:

@@ -8,14 +8,18 @@ import time
 import numpy as np
 import pytest
 from kvt.agent import poll_until
-from kvt.errors import KvtTimeoutError
+from kvt.errors import InvalidDescriptor, KvtTimeoutError
 from kvt.types import MemKind, Op, Status, is_settled
 
 from ..buffers import Buffer
-from ..fixtures import BackendFixtures, expect_done, settle
+from ..fixtures import BackendFixtures, expect_done, settle, settle_all
 from ..requirements import requires
 from ._common import (CONTRACT_REPEATS, SLOW_BLOCK, SLOW_BYTES, assert_bytes, assert_released, contract_setup,
                       contract_source, destination, expected, moved, scattered, seeds)
+
+
+#: transfers of the memory under way when it is deregistered
+DEREGISTERED_INFLIGHT = 4
 
 
 class CompletionTests(BackendFixtures):
@@ -136,6 +140,39 @@ class CompletionTests(BackendFixtures):
             backend.release(handle)
             assert_bytes(dst.read(), want, f"repetition {rep}: {op.value} destination after its preps were released")
 
+    def test_deregister_stops_our_transfers_of_that_memory(self, backend, local_buffer, far_buffer, op, where,
+                                                            wait_for):
+        """``deregister`` of our memory that our own transfers still move
+        returns only once none of them touches it (each has landed or ends
+        ERR): the caller frees it next.  Transfers of 32 MiB in 65,536 rows
+        (more than a backend copies at post) are posted, the memory is
+        deregistered at once and, the instant that returns, overwritten as
+        freed and reused memory would be: no READ may land on the overwrite
+        and no WRITE carry it off.  A transfer posted later with a prep of
+        that memory is refused with ``InvalidDescriptor``."""
+        ns, fs = seeds(op)
+        nbytes = 4 * SLOW_BYTES
+        near, (peer, far) = local_buffer(nbytes, seed=ns, register=False), far_buffer(nbytes, seed=fs)
+        key = backend.register(near.region())
+        every = np.arange(nbytes // SLOW_BLOCK)
+        lp, rp = backend.prep(None, near.blocks(SLOW_BLOCK, every)), backend.prep(peer, far.blocks(SLOW_BLOCK, every))
+        handles = [backend.transfer(op, lp, None, rp, None) for _ in range(DEREGISTERED_INFLIGHT)]
+        backend.deregister(key)
+        near.fill_byte(0xFF)
+        far_then = _read(far, nbytes)
+        settle_all(backend, [h for h in handles if not is_settled(h)], wait_for)  # DONE or ERR: either
+        if op is Op.READ:
+            late = np.flatnonzero(near.read() != 0xFF)
+            assert not late.size, (
+                f"{late.size} bytes landed in deregistered memory after deregister returned, first at offset "
+                f"{late[0]}: end or wait for this backend's transfers of that memory before returning")
+        else:
+            assert_bytes(_read(far, nbytes), far_then, "the WRITE's destination, after deregister of its source returned "
+                         "(a WRITE still read the deregistered memory: end or wait for it before returning)")
+        with pytest.raises(InvalidDescriptor):
+            h = backend.transfer(op, lp, None, rp, None)
+            settle(backend, h, wait_for)  # (a backend that posts it anyway fails the test here, not later)
+
     @requires("local", "READ")
     def test_handles_are_distinct(self, backend, local_buffer, wait_for):
         src, dst = local_buffer(1024, seed=1), local_buffer(1024)
@@ -170,3 +207,8 @@ class CompletionTests(BackendFixtures):
                          f"memory when the {op.value} first reported DONE (report DONE only once the last byte "
                          "landed at the destination, e.g. after the target acknowledged a WRITE)")
             backend.release(handle)
+
+
+def _read(buf, nbytes: int) -> np.ndarray:
+    """``buf``'s bytes, read a ``SLOW_BYTES`` piece at a time (a peer answers up to 16 MiB per message)."""
+    return np.concatenate([buf.read(off, min(SLOW_BYTES, nbytes - off)) for off in range(0, nbytes, SLOW_BYTES)])
