@@ -177,23 +177,28 @@ def test_small_same_host_request_is_settled_when_transfer_returns(monkeypatch):
 
 
 def test_a_notification_after_an_inline_copy_is_sent_by_the_posting_thread(monkeypatch):
-    """Once the peer's socket is open, a same-host copy's notification is
+    """Once the owner admitted our socket, a same-host copy's notification is
     queued to ZMQ by the thread that posted it (no hand-off to the lane's
     worker), and every notification still arrives once, in order."""
     with peer_process(shared=True) as peer, Agent(name="me", options={"timeout": 5}) as me:
         local = np.zeros((NUM_BLOCKS, BLOCK), np.uint8)
         me.register_blocks("kv", [local])
         name = me.connect(peer.endpoint, timeout=10)
+        # the first goes through the worker, which waits for the owner to admit the socket (kvt_host.notifs)
+        me.notify(name, b"hello")
+        link, deadline = me.backend._peers[name].link, time.monotonic() + 10
+        while not link.admitted and time.monotonic() < deadline:
+            time.sleep(0.001)
         handed, real = [], me.backend._send_notif
         monkeypatch.setattr(me.backend, "_send_notif", lambda p, m: (handed.append(m), real(p, m))[1])
         for i in range(20):
             with me.read_blocks(name, [i], [i], notif=b"r%d" % i) as x:
                 x.wait(10)
         got, deadline = [], time.monotonic() + 10
-        while len(got) < 20 and time.monotonic() < deadline:
+        while len(got) < 21 and time.monotonic() < deadline:
             got += peer.notifs().get("me", [])
-        assert got == [b"r%d" % i for i in range(20)]
-        assert handed in ([], [b"r0"])  # at most the first, before the socket was open, took the worker
+        assert got == [b"hello"] + [b"r%d" % i for i in range(20)]
+        assert handed == []
         assert np.array_equal(local[:20], pattern()[:20])
 
 
@@ -488,3 +493,62 @@ def test_a_lane_runs_a_callers_request_and_its_jobs_one_at_a_time_in_order():
         assert lane.wait_caller()
     finally:
         lane.pool.shutdown(wait=True)
+
+
+def _fds() -> int:
+    import os
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_backend_that_cannot_listen_leaves_nothing_behind():
+    """Each failed construction used to leave its registration epoch page (a
+    memfd) and its lane behind: an engine retrying its config leaked an fd a try."""
+    from kvt.errors import ConfigError
+    from kvt_host.backend import HostBackend
+    HostBackend("warm", {}).close()  # (first-use fds: loggers, zmq's context)
+    before = _fds()
+    for _ in range(20):
+        with pytest.raises(ConfigError, match="listen_host"):
+            HostBackend("x", {"listen_host": "192.0.2.1"})  # TEST-NET-1: not ours to bind
+    assert _fds() == before
+
+
+@pytest.mark.parametrize("option", ["listen_host", "advertise_host"])
+@pytest.mark.parametrize("value", ["", "\ud800", 5, None])
+def test_a_host_that_is_no_host_name_is_a_config_error(option, value):
+    """advertise_host went unchecked into the metadata (a lone surrogate broke
+    every metadata request, a number was published as ``tcp://5:port``)."""
+    from kvt.errors import ConfigError
+    from kvt_host.backend import HostBackend
+    with pytest.raises(ConfigError, match=option):
+        HostBackend("x", {option: value})
+
+
+def test_replacing_a_layout_ends_our_transfers_of_the_old_memory_first():
+    """``register_blocks`` replacing a layout deregisters the old memory; the
+    caller frees it next.  It returned while this agent's own queued READs
+    still copied into it (freed, a SIGSEGV).  Now they end ERR first, the old
+    memory sees no byte after the call returns, and registering the same
+    buffers again leaves transfers of them alone."""
+    with Agent(name="a", options={"timeout": 10, "inline_bytes": 0}) as a, \
+            Agent(name="b", options={"timeout": 10}) as b:
+        old, far = np.zeros((64, 1 << 20), np.uint8), np.full((64, 1 << 20), 7, np.uint8)
+        a.register_blocks("kv", [old])
+        b.register_blocks("kv", [far])
+        p = a.add_peer(b.info())
+        ids = list(range(64))
+        xs = [a.read_blocks(p, ids, ids) for _ in range(4)]
+        new = np.zeros((64, 1 << 20), np.uint8)
+        a.register_blocks("kv", [new])
+        old.fill(0xFF)
+        for x in xs:
+            try:
+                x.wait(10)
+            except TransferError as e:
+                assert "deregistered" in str(e)
+        assert (old == 0xFF).all(), "a READ landed in the replaced layout's memory after register_blocks returned"
+        xs = [a.read_blocks(p, ids, ids) for _ in range(4)]
+        a.register_blocks("kv", [new])  # the same memory again: its transfers run on
+        for x in xs:
+            x.wait(10)
+        assert (new == 7).all()

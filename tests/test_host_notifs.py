@@ -12,7 +12,7 @@ import pytest
 from kvt import Agent
 from kvt.config import Config
 from kvt.wire import decode, encode
-from kvt_host.notifs import MAX_FRAME, valid_name
+from kvt_host.notifs import ADMITTED, MAX_CONNECTIONS, MAX_FRAME, NotifLink, valid_name
 from kvt_host.protocol import HostMetadata, Request
 
 from peer import BLOCK, NUM_BLOCKS, peer_process
@@ -45,8 +45,14 @@ def pair():
 def test_a_burst_of_copies_notifies_on_the_posting_thread_in_order_and_never_opens_zmq(pair, monkeypatch):
     """Hundreds of reads posted back to back, far more than the kernel's queue
     of ten datagrams: each one's notification goes from the thread that
-    posted it (none is handed to the lane's worker), over the socket."""
+    posted it (none is handed to the lane's worker), over the socket.  The
+    very first may go through the worker: the link sends nothing before the
+    owner admitted its connection (test_notifications_to_an_owner_that_turns_the_sender_away_go_over_zmq),
+    and a post does not wait for that."""
     me, p, peer = pair
+    me.notify(p.name, b"hello")
+    assert _collect(peer.notifs, "me", 1) == [b"hello"]
+    assert p.link is not None and p.link.admitted
     handed, real = [], me.backend._send_notif
     monkeypatch.setattr(me.backend, "_send_notif", lambda q, m: (handed.append(m), real(q, m))[1])
     for i in range(400):
@@ -81,7 +87,9 @@ def test_notifications_nobody_asks_for_leave_the_socket_for_the_inbox():
         link = a.backend._peers["b"].link
         assert link is not None
         a.notify("b", b"hello")
-        assert _until(lambda: link._sock is not None and link.unread() == 0, 5)
+        # (the inbox, not get_notifs, which would read the socket itself)
+        assert _until(lambda: b.backend._inbox._count == 1, 5)
+        assert link.admitted and link.unread() == 0  # it came over the socket
         assert b.backend._inbox.take() == {"a": [b"hello"]}
 
 
@@ -223,15 +231,113 @@ def test_another_users_connection_is_turned_away():
 
 
 def test_connections_past_the_limit_are_turned_away_and_those_within_it_served():
-    from kvt_host.notifs import MAX_CONNECTIONS
-
     with Agent(name="b", options={"timeout": 5}) as b:
         name = b.backend._server.notifs.name
         conns = [_connect(name) for _ in range(MAX_CONNECTIONS + 1)]
         try:
             assert _until(lambda: b.backend._server.notifs.refused == 1)
+            for c in conns:
+                c.settimeout(10)
+            # the kept ones hear ADMITTED, the one too many (accepted in order: the last) a close
+            assert [c.recv(1) for c in conns] == [ADMITTED] * MAX_CONNECTIONS + [b""]
             conns[0].send(_notif("first", b"served"))
             assert _collect(b.get_notifs, "first", 1) == [b"served"]
         finally:
             for c in conns:
                 c.close()
+
+
+def test_notifications_to_an_owner_that_turns_the_sender_away_go_over_zmq():
+    """Another process of our user holds every one of the owner's connections.
+    The kernel still takes a new connection into the listening socket's
+    backlog, and messages on it, until the owner accepts and closes it: the
+    link used to send there at once, see no error, and lose every message
+    (found by a red-team pass).  It now waits for the owner's ADMITTED byte,
+    which never comes, and everything goes over ZMQ, in order, both what
+    ``notify`` sends and what a copy posted on this thread attaches."""
+    with Agent(name="a", options={"timeout": 5}) as a, Agent(name="b", options={"timeout": 5}) as b:
+        src = np.arange(8 * 4096, dtype=np.uint8).reshape(8, -1)
+        dst = np.zeros_like(src)
+        b.register_blocks("kv", [src])
+        a.register_blocks("kv", [dst])
+        listener = b.backend._server.notifs
+        hog = [_connect(listener.name) for _ in range(MAX_CONNECTIONS)]
+        try:
+            assert _until(lambda: len(listener._conns) == MAX_CONNECTIONS)
+            peer = a.connect(b.listen(), timeout=10)
+            assert a.backend._peers[peer].link is not None  # it would try the socket
+            sent = []
+            for i in range(3):
+                sent.append(b"n%d" % i)
+                a.notify(peer, sent[-1])
+            for i in range(2):
+                sent.append(b"r%d" % i)
+                with a.read_blocks(peer, [i], [i], notif=sent[-1]) as x:
+                    x.wait(10)
+            for i in range(3, 6):
+                sent.append(b"n%d" % i)
+                a.notify(peer, sent[-1])
+            assert _collect(b.get_notifs, "a", len(sent)) == sent
+            assert a.backend._peers[peer].link is None and a.backend._peers[peer].notifs_on_zmq
+            assert listener.refused >= 1
+            assert np.array_equal(dst[:2], src[:2])
+        finally:
+            for s in hog:
+                s.close()
+
+
+def _fake_owner() -> tuple[socket.socket, str]:
+    """A listening socket under a name a link accepts, whose owner (the test) accepts by hand."""
+    name = f"kvt-notif-{os.getpid()}-{os.urandom(8).hex()}"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(b"\0" + name.encode())
+    srv.listen(4)
+    srv.settimeout(10)
+    return srv, name
+
+
+def test_a_link_sends_nothing_before_the_owner_admits_it():
+    srv, name = _fake_owner()
+    with srv:
+        link = NotifLink(name)
+        try:
+            assert link.send(b"early", None) is False  # connected, not admitted: the caller's worker takes it
+            conn, _ = srv.accept()
+            with conn:
+                conn.settimeout(0)
+                with pytest.raises(BlockingIOError):
+                    conn.recv(100)  # nothing was put on the connection before admission
+                conn.send(ADMITTED)
+                assert link.send(b"late", 10) is True
+                assert not link.send(b"x" * (MAX_FRAME + 1), None)  # (too large: ZMQ's, as before)
+                conn.settimeout(10)
+                assert conn.recv(100) == b"late"
+                assert link.admitted and link.send(b"hot", None) is True  # once admitted, on the posting thread
+                assert conn.recv(100) == b"hot"
+        finally:
+            link.close()
+
+
+@pytest.mark.parametrize("owner", ["closes", "never_answers", "answers_garbage"])
+def test_a_link_the_owner_does_not_admit_carries_nothing_and_says_so(owner):
+    """False: the backend sends this message and every later one over ZMQ,
+    with none of them left behind on the socket."""
+    srv, name = _fake_owner()
+    with srv:
+        link = NotifLink(name)
+        try:
+            assert link.send(b"one", None) is False
+            conn, _ = srv.accept()
+            with conn:
+                if owner == "closes":
+                    conn.close()
+                elif owner == "answers_garbage":
+                    conn.send(b"\x00")
+                assert link.send(b"two", 0.3 if owner == "never_answers" else 10) is False
+                assert not link.admitted
+                assert link.send(b"three", 10) is False  # for good
+                if owner != "closes":
+                    conn.settimeout(10)
+                    assert conn.recv(100) == b""  # the link hung up, and none of them went on the socket
+        finally:
+            link.close()

@@ -40,6 +40,57 @@ def test_metadata_claiming_our_own_process_is_refused():
             b.add_remote(forged)
 
 
+@pytest.mark.parametrize("transport", ["auto", "cma"])
+def test_metadata_naming_one_of_our_threads_is_not_taken_for_another_process(transport):
+    """``/proc/<tid>`` answers for every thread, and cma or ``/proc/<tid>/fd``
+    on a thread id act on its whole process: metadata naming one of our
+    threads (with that thread's own start time and our epoch page) passed
+    for another process, and our READ then copied our own unregistered
+    memory into a registered block, our WRITE overwrote it."""
+    secret = np.full(4096, 0x5E, np.uint8)  # never registered
+    with HostBackend("victim", {"timeout": 1, "transport": transport}) as b:
+        local = np.zeros(4096, np.uint8)
+        b.register(local)
+        mine = decode(b.local_metadata(), HostMetadata)
+        tid = b._server._thread.native_id
+        assert tid != os.getpid()
+        with open(f"/proc/{tid}/stat") as f:  # the thread's own start time, as a forger reads it
+            started = int(f.read().rsplit(")", 1)[1].split()[19])
+        forged = encode(HostMetadata(name="evil", endpoint="tcp://127.0.0.1:9", host_id=host_id(), pid=tid,
+                                     start_time=started, epoch_fd=mine.epoch_fd, epoch=mine.epoch,
+                                     regions={"DRAM": np.array([[secret.ctypes.data, 4096, 0]], np.uint64).tobytes()}))
+        try:
+            name = b.add_remote(forged)
+        except WireError:
+            return
+        lp, rp = b.prep(None, Descs([(local.ctypes.data, 4096, 0)])), b.prep(name, Descs([(secret.ctypes.data, 4096, 0)]))
+        _settle(b, b.transfer(Op.READ, lp, None, rp, None))
+        assert not (local == 0x5E).any(), "a READ copied this process's unregistered memory"
+        local[:] = 0x11
+        _settle(b, b.transfer(Op.WRITE, lp, None, rp, None))
+        assert (secret == 0x5E).all(), "a WRITE overwrote this process's unregistered memory"
+
+
+@pytest.mark.parametrize("rows", ["too many", "one fd twice"])
+def test_a_segment_table_past_the_limit_or_naming_one_fd_twice_is_refused(rows):
+    """Each segment row is one mapping here: 70,000 rows naming one real
+    segment under as many addresses mapped it 65,000 times (the process's
+    limit), left every mapping behind and failed with numpy's MemoryError."""
+    from kvt_host.protocol import MAX_SEGMENTS
+    n = MAX_SEGMENTS + 1 if rows == "too many" else 2
+    segs = np.zeros((n, 3), np.uint64)
+    segs[:, 0] = (np.arange(n, dtype=np.uint64) + 1) << np.uint64(24)  # distinct bases, 16 MiB apart
+    segs[:, 1] = 1 << 20
+    segs[:, 2] = np.arange(n) + 3 if rows == "too many" else 3
+    with HostBackend("victim", {"timeout": 1}) as b:
+        pid = os.getpid()
+        md = HostMetadata(name="evil", endpoint="tcp://127.0.0.1:9", host_id="elsewhere", pid=pid,
+                          start_time=start_time(pid), segments=segs.tobytes(),
+                          regions={"DRAM": np.array([[1 << 24, 4096, 0]], np.uint64).tobytes()})
+        with pytest.raises(WireError, match="segment"):
+            b.add_remote(encode(md))
+
+
 def _victim(md_bytes, write, q):
     """In its own process: a SIGBUS (or any crash) shows as its exit code."""
     from kvt_host.backend import HostBackend

@@ -373,3 +373,104 @@ def test_an_honest_stream_idle_past_the_owners_limit_is_reopened_not_failed(monk
         reader.read_blocks(peer, [2, 3], [2, 3]).wait(20)
         assert reader.backend._peers[peer].stream is not first
         assert np.array_equal(dst[4096:4 * 4096], src[4096:4 * 4096])
+
+
+class _Trickle:
+    """A peer's socket that moves one byte (or one ``sendall``) per call,
+    each 0.5 ms later on its clock, which the test makes the stream
+    module's: a peer that always answers well within a receive's timeout."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def settimeout(self, t) -> None:
+        assert t is None or t > 0
+
+    def recv_into(self, view, *_) -> int:
+        self.now += 0.0005
+        view[0] = 0x66
+        return 1
+
+    def sendall(self, data) -> None:
+        self.now += 0.0005
+
+
+@pytest.mark.parametrize("loop", ["recv_exact", "recv_rows", "discard", "send_rows"])
+def test_every_stream_loop_ends_at_its_deadline_however_fast_a_peer_trickles(loop, monkeypatch):
+    """Each receive (and send) used to get max(time left, 1 ms) as its
+    timeout, and no loop looked at the deadline itself: a peer sending a
+    byte within every 1 ms kept a request going for good, on the initiator
+    (a READ with ``timeout`` 1 s took 9 s) and on the owner's stream threads
+    alike.  Now the time is up at the deadline (``socket.timeout``, which
+    the initiator reports as ``TransferTimeout``)."""
+    from types import SimpleNamespace
+
+    from kvt_host import stream
+
+    peer = _Trickle()
+    monkeypatch.setattr(stream, "time", SimpleNamespace(monotonic=peer.monotonic))
+    deadline = peer.now + 0.01  # 20 of the peer's bytes
+    buf = np.zeros(64 << 10, np.uint8)  # staged: shorter than stream._DIRECT
+    row = np.array([[buf.ctypes.data, 4096]], np.uint64)
+    run = {"recv_exact": lambda: stream._recv_exact(peer, memoryview(buf), deadline),
+           "recv_rows": lambda: stream.recv_rows(peer, np.array([[buf.ctypes.data, 4096]] * 16, np.uint64),
+                                                 deadline),
+           "discard": lambda: stream._discard(peer, len(buf), deadline),
+           "send_rows": lambda: [stream.send_rows(peer, row, deadline) for _ in range(100)]}[loop]
+    with pytest.raises(socket.timeout):
+        run()
+    assert peer.now <= deadline + 0.0005  # no call began past the deadline (a fake clock: no real time measured)
+
+
+@pytest.mark.parametrize("loop", ["recv_exact", "recv_waitall", "discard", "send_all"])
+def test_a_deadline_already_passed_moves_no_byte(loop):
+    """The real socket, with the bytes already waiting: past its deadline a
+    call takes none of them (it used to take them, with 1 ms to do it)."""
+    from kvt_host import stream
+
+    a, b = socket.socketpair()
+    with a, b:
+        n = 4096 if loop != "recv_waitall" else stream._DIRECT  # (that one's bytes go straight into memory)
+        a.sendall(b"\x66" * 4096)  # waiting in b's buffer
+        past = time.monotonic() - 1
+        buf = bytearray(n)
+        run = {"recv_exact": lambda: stream._recv_exact(b, memoryview(buf), past),
+               "recv_waitall": lambda: stream._recv_exact(b, memoryview(buf), past),
+               "discard": lambda: stream._discard(b, n, past),
+               "send_all": lambda: stream._send_all(b, b"\x77" * 16, past)}[loop]
+        with pytest.raises(socket.timeout):
+            run()
+        assert not any(buf)
+        a.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            a.recv(16)  # nothing was sent
+        b.settimeout(0)
+        assert b.recv(8192) == b"\x66" * 4096  # nothing was taken
+
+
+def test_a_header_trickled_in_is_hung_up_after_the_idle_time_in_all(monkeypatch):
+    """The next request's header has ``_IDLE`` seconds in all: it had that
+    per byte, so a header trickled a byte every few seconds kept a served
+    slot for minutes."""
+    from kvt_host import stream
+
+    monkeypatch.setattr(stream, "_IDLE", 0.5)
+    server = stream.StreamServer("127.0.0.1", None, None, timeout=10)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as s:
+            s.sendall(server.issue("trickler"))
+            assert s.recv(1) == b"\x01"
+            head, sent = HEAD.pack(b"kvtS", READ, 0, 0, 1), 0
+            for byte in head[:-1]:  # a byte every 0.15 s: each well within _IDLE
+                if not server._conns:
+                    break  # hung up, before the header was complete
+                s.sendall(bytes([byte]))
+                sent += 1
+                time.sleep(0.15)
+            assert sent < len(head) - 1
+            assert _closed(s)
+    finally:
+        server.close()

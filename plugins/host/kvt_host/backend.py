@@ -34,18 +34,18 @@ from kvt import extensions, memory, memcopy
 from kvt.auth import Secret
 from kvt.epoch import Epoch, EpochWatch
 from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, seconds, take_handle
-from kvt.procs import host_id, start_time
+from kvt.procs import host_id, is_process, start_time
 from kvt.errors import (AuthenticationError, ClosedError, ConfigError, HandshakeError, HandshakeTimeout,
-                        InvalidArgument, KvtError, KvtTimeoutError, PeerDisconnected, RemoteRejected, TransferError,
-                        TransferTimeout, WireError)
-from kvt.handshake import connect
+                        InvalidArgument, InvalidDescriptor, KvtError, KvtTimeoutError, PeerDisconnected,
+                        RemoteRejected, TransferError, TransferTimeout, WireError)
+from kvt.handshake import check_bind, connect
 from kvt.types import (SETTLED, Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle,
                        XferHandle, XferState, as_index)
 from kvt.wire import decode, encode
 
 from . import memops
 from .notifs import NotifLink, valid_name
-from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, HostMetadata, Reply, Request, chunks, rows_of
+from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, MAX_SEGMENTS, HostMetadata, Reply, Request, chunks, rows_of
 from .server import Server
 from .stream import Stream
 from .staging import Mirrors
@@ -102,7 +102,8 @@ class _Prep(_PrepCore):
     shared segments.  For the one-call same-host path (``_copy_here``):
     ``addrs``, host addresses we can copy at, and ``lengths``, their lengths
     (one int if uniform); ``owner`` and ``gen``, the peer and mapping
-    generation the addresses belong to; ``inc``, the peer's incarnation whose
+    generation the addresses belong to (``RETIRED`` for a list of our own
+    memory deregistered since: refused); ``inc``, the peer's incarnation whose
     registrations the rows were checked against."""
 
     __slots__ = ()
@@ -112,6 +113,9 @@ class _Prep(_PrepCore):
         self.peer, self.descs, self.mapped, self.owner, self.gen, self.inc = peer, descs, mapped, owner, gen, inc
         self.addrs = self.lengths = None
 
+
+#: ``_Prep.gen`` of a list of our own memory that was deregistered: transfers with it are refused
+RETIRED = -1
 
 _settle = threading.Lock()  # guards every job's state and waiter: held for a few instructions only
 
@@ -273,7 +277,11 @@ class _Peer:
         self.epoch: EpochWatch | None = None
         self.link: NotifLink | None = None  # its notification socket (kvt_host.notifs): same host, no secret
         self.notifs_on_zmq = False  # set for good once one went over ZMQ: one channel keeps them in order
-        self.update(md, transport)
+        try:
+            self.update(md, transport)
+        except BaseException:
+            self.close()  # what it mapped or opened before it failed
+            raise
 
     def update(self, md: HostMetadata, transport: str) -> None:
         regions, segs = _checked(md)
@@ -282,7 +290,7 @@ class _Peer:
             self.close()  # a restarted peer: its old segments, server and notification socket are gone
         self.md, self.regions = md, regions
         # on this host we can watch the peer's process; shm/cma also need transport != tcp
-        self.local_pid = md.host_id == host_id() and start_time(md.pid) == md.start_time
+        self.local_pid = md.host_id == host_id() and is_process(md.pid, md.start_time)
         self.same_host = self.local_pid and transport != "tcp"
         if self.same_host and self.secret is None and self.link is None and not self.notifs_on_zmq \
                 and valid_name(md.notif):
@@ -326,7 +334,7 @@ class _Peer:
             exited = select.poll()  # per call: a poll object must not be polled from two threads at once
             exited.register(self._pidfd, select.POLLIN)
             return not exited.poll(0)
-        return start_time(self.md.pid) == self.md.start_time
+        return is_process(self.md.pid, self.md.start_time)
 
     def _watch(self, pid: int | None) -> None:
         if self._pidfd is not None:
@@ -337,7 +345,7 @@ class _Peer:
                 self._pidfd = os.pidfd_open(pid)
             except OSError:
                 return  # old kernel or not allowed: fall back to /proc
-            if start_time(pid) != self.md.start_time:  # it died (and the pid was reused) in between
+            if not is_process(pid, self.md.start_time):  # it died (and the pid was reused) in between
                 self.local_pid = self.same_host = False
 
     def socket(self) -> zmq.Socket:
@@ -413,9 +421,11 @@ def _checked(md: HostMetadata) -> tuple[dict[MemKind, Descs], np.ndarray]:
         for kind, d in regions.items():
             d.check_rows(f"{kind.value} regions")
         segs = rows_of(md.segments)
-        Descs.from_regions(segs[:, 0], segs[:, 1]).check_rows("segments")
+        Descs.from_regions(segs[:, 0], segs[:, 1]).check_rows("segments", max_rows=MAX_SEGMENTS)
     except (ValueError, KvtError) as e:
         raise WireError(f"bad region table in metadata of {md.name!r}: {e}") from e
+    if len(np.unique(segs[:, 2])) != len(segs):  # one fd is one segment: listed twice, it would be mapped twice
+        raise WireError(f"metadata of {md.name!r} lists one segment fd under two addresses")
     if len(md.name) > MAX_NAME or not md.name:
         raise WireError(f"peer name must be 1 to {MAX_NAME} characters")
     if not md.endpoint.startswith("tcp://") or len(md.endpoint) > MAX_NAME:
@@ -462,6 +472,12 @@ class HostBackend(_HostCore, Backend):
         if self.transport not in _TRANSPORTS:
             raise ConfigError(f"host backend option 'transport' must be one of {_TRANSPORTS}, got {self.transport!r}")
         listen = self.options.get("listen_host", "127.0.0.1")
+        advertise = self.options.get("advertise_host", listen)
+        for option, host in (("listen_host", listen), ("advertise_host", advertise)):
+            try:  # (peers dial the advertised one: a number or a lone surrogate there broke our metadata)
+                check_bind(host, 0)
+            except InvalidArgument as e:
+                raise ConfigError(f"host backend option {option!r}: {e}") from None
         self._lock = threading.RLock()
         self._regions = RegionTable()
         self._mirrors = Mirrors()
@@ -480,9 +496,13 @@ class HostBackend(_HostCore, Backend):
         key = self.options.get("auth_key")  # set by the Agent from configuration auth_key
         self._secret = None if key is None else Secret(key)
         try:
-            self._server = Server(self, listen, self.options.get("advertise_host", listen), self._secret)
-        except HandshakeError as e:  # RouterServer's bind failure
-            raise ConfigError(f"host backend: {e}; set option 'listen_host'") from e
+            self._server = Server(self, listen, advertise, self._secret)
+        except BaseException as e:
+            self._local.pool.shutdown(wait=False)  # (its thread starts with its first job: none yet)
+            self._epoch.close()
+            if isinstance(e, HandshakeError):  # RouterServer's bind failure
+                raise ConfigError(f"host backend: {e}; set option 'listen_host'") from e
+            raise
         _LIVE[self._server.endpoint] = self
 
     # -- memory ---------------------------------------------------------------
@@ -503,13 +523,50 @@ class HostBackend(_HostCore, Backend):
         with self._lock:
             descs = self._regions.remove(handle)
             self._epoch.bump()  # same-host peers holding our old metadata stop copying behind our back
-            # copies still running from or into it end first (same-host peers' and our server's
-            # requests): the caller frees it next
-            drained = self._epoch.drain(self.timeout) and self._server.inflight.drain(descs, self.timeout)
+            for p in list(self._preps.values()):  # lists of it: refused from now on (both post paths)
+                if p.peer is None and p.descs.kind is descs.kind and self._regions.lost(descs, p.descs.array):
+                    p.gen, p.addrs = RETIRED, None
+            # copies still running from or into it end first (same-host peers', our server's and our own
+            # transfers'): the caller frees it next
+            drained = self._epoch.drain(self.timeout) and self._server.inflight.drain(descs, self.timeout) \
+                and self._stop_jobs_on(descs)
             self._mirrors.remove(handle)
         if not drained:
-            raise KvtTimeoutError(f"a peer's request still used the deregistered memory after {self.timeout:g}s; "
+            raise KvtTimeoutError(f"a request still used the deregistered memory after {self.timeout:g}s; "
                                   "do not free it yet (this should not happen: report it)")
+
+    def _stop_jobs_on(self, descs: Descs) -> bool:
+        """Our own transfers still moving bytes to or from ``descs`` (just
+        deregistered, and not registered otherwise) end as ERR (as on
+        ``release``: queued ones never start, a stream is cut); True once
+        none of them copies any more, nor a caller's inline copy."""
+        cause = TransferError("its memory was deregistered while it was under way; register it again and retry")
+        futures = []
+        for job in list(self._xfers.values()):  # a copy: posts add to it without our lock
+            if job is _DONE or not job.state.pending or not self._lost(job, descs):
+                continue
+            job.finish(XferState.err(cause))
+            with _settle:
+                if job.stream is not None:
+                    job.stream.abort()
+            lane = job.peer.lane if job.peer else self._local
+            if job.future is not None and not lane.cancel(job.future):
+                futures.append(job.future)
+        if futures and wait(futures, timeout=self.timeout + 1).not_done:
+            return False
+        # a copy on a caller's thread (inline: no job, or one not queued) holds its lane meanwhile
+        return all(lane.wait_caller() for lane in [self._local, *(p.lane for p in self._peers.values())])
+
+    def _lost(self, job: _Job, descs: Descs) -> bool:
+        """Whether ``job`` moves bytes of ours that ``descs`` held and no
+        registration holds now (both of its sides are ours when it has no peer)."""
+        if job.indexed is not None and job.lrows is None:  # queued for the one-call path: rows by index
+            lp, li, rp, ri, _, _ = job.indexed
+            ours = [(lp.descs.kind, lp.descs.array[li])] + ([(rp.descs.kind, rp.descs.array[ri])] if job.peer is None
+                                                            else [])
+        else:
+            ours = [(job.lkind, job.lrows)] + ([(job.rkind, job.rrows)] if job.peer is None else [])
+        return any(kind is descs.kind and rows is not None and self._regions.lost(descs, rows) for kind, rows in ours)
 
     # -- peers ----------------------------------------------------------------
 
@@ -607,6 +664,9 @@ class HostBackend(_HostCore, Backend):
         lp, rp = self._preps[local_prep], self._preps[remote_prep]
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
+        if lp.gen == RETIRED or rp.peer is None and rp.gen == RETIRED:
+            raise InvalidDescriptor("a prepped list of this transfer covers memory deregistered since it was "
+                                    "prepped: release it, and prep the memory registered now")
         peer = None if rp.peer is None else self._peers[rp.peer]
         li, ri, lrows, rrows = self._pair_indexed(lp.descs, local_idx, rp.descs, remote_idx)
         # mapped addresses only of this very peer object (not of one removed and added again)

@@ -20,6 +20,23 @@ any more, moves that peer to ZMQ for good; the owner's server thread reads
 its socket before it takes in a notification that came over ZMQ, so those
 sent before it, on the socket, are in its inbox first.
 
+Admission: the owner writes one byte, ``ADMITTED``, on each connection it
+keeps; one over ``MAX_CONNECTIONS`` (or another user's) it accepts and
+closes without it.  The kernel takes a new connection, and messages on it,
+into the listening socket's backlog before the owner accepts it, so a sender
+that sent at once lost every message sent before it was turned away (it
+saw them sent).  A sender therefore puts nothing on the socket before it
+has read that byte: until then its caller takes the message off the
+posting thread (``send`` with no timeout answers False), and the lane's
+worker waits for the byte (once per connection, within the timeout); a
+connection closed without it, or no byte in time, sends the peer to ZMQ
+for good, with nothing sent on the socket, so order holds.  Not ZMQ before
+the byte and the socket after: the owner reads its socket before ZMQ, so a
+later message on the socket would overtake an earlier one on ZMQ.  Once
+admitted, the owner closes a connection only when it closes (its inbox
+with it), or on a message no kvt sends (over ``MAX_FRAME``): every message
+the kernel took reaches the owner's inbox, as over ZMQ.
+
 Trust: an abstract socket has no file permissions, so the owner accepts only
 connections of its own user, by the credentials the kernel gives
 (``SO_PEERCRED``), and at most ``MAX_CONNECTIONS``; the bytes are then as
@@ -45,13 +62,14 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["MAX_FRAME", "MAX_CONNECTIONS", "NotifListener", "NotifLink", "valid_name"]
+__all__ = ["ADMITTED", "MAX_FRAME", "MAX_CONNECTIONS", "NotifListener", "NotifLink", "valid_name"]
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 64 << 10  #: the largest notification message (its Request frame); larger ones go over ZMQ
 MAX_CONNECTIONS = 64  #: same-host peers connected at once; more are turned away (they use ZMQ)
 _NAME = re.compile(r"kvt-notif-[0-9]{1,7}-[0-9a-f]{16}")  # NotifListener's names, and only those
+ADMITTED = b"\x01"  #: the owner's first and only byte on a connection it keeps (see the module's docstring)
 _UCRED = struct.Struct("=iII")  # struct ucred: pid, uid, gid
 _ACCEPT = 16  # connections accepted per call: the server's other work gets its turn
 _SNDBUF = 1 << 20  # asked of the kernel (it caps it): room for thousands of notifications in flight
@@ -142,9 +160,14 @@ class NotifListener:
                     self.refused += 1
                     log.debug("notification socket %s: turned away a connection of uid %s (%d connected)",
                               self.name, uid, len(self._conns))
-                    conn.close()
+                    conn.close()  # without ADMITTED: the sender has sent nothing yet, and uses ZMQ
                     continue
                 conn.setblocking(False)
+                try:  # (one byte into an empty buffer: only a peer already gone fails it)
+                    conn.send(ADMITTED, socket.MSG_NOSIGNAL)
+                except OSError:
+                    conn.close()
+                    continue
                 self._conns[conn.fileno()] = conn
                 self._ready.register(conn.fileno(), select.EPOLLIN)
 
@@ -193,20 +216,25 @@ class NotifListener:
 
 class NotifLink:
     """A same-host peer's end of its notification socket, connected on first
-    use.  Used by one thread at a time (the holder of the peer's lane)."""
+    use and used once the owner admitted it (``ADMITTED``).  Used by one
+    thread at a time (the holder of the peer's lane)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._sock: socket.socket | None = None
+        self._admitted = False
+        self._refused = False  # turned away (or never admitted in time): this link carries nothing more
 
     def send(self, frame: bytes, timeout: float | None) -> bool:
         """Send ``frame`` as one message: True once sent.  False when this
-        channel cannot carry it (too large, or nobody reads the socket: the
-        owner is gone, or out of reach in another network namespace): the
-        caller moves to ZMQ for good.  ``timeout`` None: False
-        also when there is no room now (never waits); else up to that many
-        seconds for room, then ``TimeoutError``."""
-        if len(frame) > MAX_FRAME:
+        channel cannot carry it (too large; the owner turned the connection
+        away or did not admit it within ``timeout``; nobody reads the socket:
+        the owner is gone, or out of reach in another network namespace):
+        the caller moves to ZMQ for good.  ``timeout`` None: False also
+        when it cannot go now (not admitted yet, or no room; never waits);
+        else up to that many seconds for admission and room, then, if
+        admitted, ``TimeoutError``."""
+        if len(frame) > MAX_FRAME or self._refused:
             return False
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -220,23 +248,44 @@ class NotifLink:
                         sock.close()
                         raise
                     self._sock = sock
+                if not self._admitted:
+                    # a queued connection takes messages, and a turned-away one drops them unread
+                    ack = self._sock.recv(1, socket.MSG_DONTWAIT)
+                    if ack != ADMITTED:
+                        return self._turned_away("closed the connection unadmitted" if not ack else "sent no kvt byte")
+                    self._admitted = True
                 self._sock.send(frame, socket.MSG_NOSIGNAL)
                 return True
-            except (BlockingIOError, InterruptedError):  # no room (or the owner's backlog is full)
+            except (BlockingIOError, InterruptedError):  # not admitted yet, no room, or the owner's backlog is full
                 if deadline is None:
                     return False
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if not self._admitted:  # nothing went on the socket: ZMQ carries this one, and keeps order
+                        return self._turned_away(f"did not admit the connection within {timeout:g}s")
                     raise TimeoutError(f"the owner of {self.name} read no notification for {timeout:g}s") from None
                 if self._sock is None:
                     time.sleep(min(left, 0.001))
-                else:  # a connected socket turns writable when there is room
+                else:  # a connected socket turns readable at admission, writable when there is room
                     room = select.poll()
-                    room.register(self._sock, select.POLLOUT)
+                    room.register(self._sock, select.POLLOUT if self._admitted else select.POLLIN)
                     room.poll(min(left, 0.05) * 1000)
             except OSError as e:
                 log.debug("notification socket %s: %s; notifications go over ZMQ", self.name, e)
+                if not self._admitted:
+                    self._turned_away(str(e))
                 return False
+
+    def _turned_away(self, why: str) -> bool:
+        log.debug("notification socket %s: the owner %s; notifications go over ZMQ", self.name, why)
+        self._refused = True
+        self.close()
+        return False
+
+    @property
+    def admitted(self) -> bool:
+        """Whether the owner admitted our connection (messages then go on it)."""
+        return self._admitted
 
     def close(self) -> None:
         if self._sock is not None:

@@ -14,6 +14,9 @@ MAX_REQUEST_BYTES = 32 << 20
 #: the biggest message the server accepts: a full WRITE plus its row table and envelope
 MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES + 24 * MAX_REQUEST_ROWS + (64 << 10)
 MAX_NAME = 256  # characters of an agent name on the wire
+#: shared segments one peer's metadata may list: each is one mapping here, and a process has
+#: about 65,000 in all (vm.max_map_count); an engine's KV cache is a few segments per layer
+MAX_SEGMENTS = 4096
 #: up to this many rows, a request's slicing (``chunks``, ``stream._runs``) runs on Python ints
 FEW_ROWS = 16
 

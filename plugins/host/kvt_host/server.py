@@ -52,10 +52,7 @@ class _Use:
     def touches(self, region: Descs) -> bool:
         if self.rows is None:  # not checked yet: it may pass the check on the old table
             return True
-        if self.kind is not region.kind:
-            return False
-        a, n = self.rows[:, 0], self.rows[:, 1]
-        return any(bool(((a < base + size) & (a + n > base)).any()) for base, size in region.array[:, :2].tolist())
+        return self.kind is region.kind and region.overlaps(self.rows)
 
     def cut(self) -> None:
         if self.sock is not None:  # wakes the stream thread's send or recv at once

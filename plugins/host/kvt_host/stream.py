@@ -96,6 +96,15 @@ def _view(addr: int, n: int) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
 
 
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline``; ``socket.timeout`` (what a recv or send
+    that timed out raises, and callers map) once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("timed out")
+    return left
+
+
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view``; with a ``deadline`` (monotonic) the whole of it must
     arrive by then (socket.timeout), however the peer trickles it."""
@@ -105,7 +114,9 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
         return
     while got < n:
         if deadline is not None:
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            # checked before each recv, not just handed to it: a peer sending a byte before each
+            # recv's timeout would otherwise keep the loop going past the deadline for good
+            sock.settimeout(_left(deadline))
         k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError("the other side closed the stream")
@@ -145,8 +156,8 @@ def _recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> b
 
 
 def _send_all(sock: socket.socket, data, deadline: float | None) -> None:
-    if deadline is not None:  # sendall's timeout bounds the whole call
-        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    if deadline is not None:  # sendall's timeout bounds the whole call; a call made past it sends nothing
+        sock.settimeout(_left(deadline))
     sock.sendall(data)
 
 
@@ -213,7 +224,7 @@ def recv_rows(sock: socket.socket, rows: np.ndarray, deadline: float | None = No
 def _discard(sock: socket.socket, n: int, deadline: float) -> None:
     scratch = memoryview(bytearray(min(n, 1 << 20)))
     while n:
-        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        sock.settimeout(_left(deadline))  # (as in _recv_exact: a trickle cannot outlast the deadline)
         k = sock.recv_into(scratch[:min(n, len(scratch))])
         if not k:
             raise ConnectionError("the other side closed the stream")
@@ -291,8 +302,9 @@ class StreamServer:
                 return
             _tune(conn)
             while not self._closed:
-                conn.settimeout(_IDLE)  # an idle stream waits this long for its next request
-                head = _recv_bytes(conn, _HEAD.size)
+                # an idle stream waits this long for its next request's header, in all (a header
+                # trickled a byte a minute would keep the slot)
+                head = _recv_bytes(conn, _HEAD.size, time.monotonic() + _IDLE)
                 conn.settimeout(self._timeout)
                 self._request(conn, sender, head)
         except (OSError, ConnectionError, ValueError) as e:

@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 from kvt.epoch import Epoch, EpochWatch
 from kvt.errors import WireError
-from kvt.procs import host_id, start_time
+from kvt.procs import host_id, is_process, start_time
 from kvt.types import Descs, MemKind
 from kvt.ucxkeys import is_host_rkey, same_address_format
 from kvt.wire import Message, decode, encode
@@ -59,7 +59,7 @@ def pack(name: str, nixl: bytes, regions: dict[MemKind, Descs], epoch: Epoch) ->
 
 def epoch_watch(md: NixlMetadata) -> EpochWatch | None:
     """A same-host peer's registration epoch, mapped; ``None`` for other hosts."""
-    if md.host_id != host_id() or not 0 < md.pid < 1 << 22 or start_time(md.pid) != md.start_time:
+    if md.host_id != host_id() or not 0 < md.pid < 1 << 22 or not is_process(md.pid, md.start_time):
         return None
     return EpochWatch.open(md.pid, md.epoch_fd, md.epoch)
 

@@ -31,15 +31,15 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import numpy as np
 from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
 from kvt.epoch import Epoch, EpochWatch
-from kvt.errors import (ConfigError, InvalidArgument, PeerDisconnected, RemoteRejected, TransferError,
-                        TransferTimeout, WireError)
-from kvt.procs import host_id, start_time
+from kvt.errors import (ConfigError, InvalidArgument, InvalidDescriptor, PeerDisconnected, RemoteRejected,
+                        TransferError, TransferTimeout, WireError)
+from kvt.procs import host_id, is_process, start_time
 from kvt.ucxkeys import LOOPBACK, cross_host_refused, loopback_default
 from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandle, RegHandle, XferHandle,
                        XferState)
@@ -99,15 +99,17 @@ class _Prep:
     local: np.ndarray       # (n, 2) uint64: address, length (this list as the local side)
     remote: np.ndarray      # (n, 3) uint64: address, length, key index (as the remote side)
     owner: Any = None       # the _Peer whose regions (and keys) the rows were checked against
+    retired: bool = False   # our own memory, deregistered since: transfers with it are refused
 
 
 class _Xfer:
     """A posted transfer: its op, peer, the binding's Xfer, deadline, state."""
 
-    __slots__ = ("op", "peer", "native", "deadline", "state")
+    __slots__ = ("op", "peer", "native", "deadline", "state", "ours")
 
-    def __init__(self, op: Op, peer: _Peer, native: Any, deadline: float):
+    def __init__(self, op: Op, peer: _Peer, native: Any, deadline: float, ours: tuple = ()):
         self.op, self.peer, self.native, self.deadline, self.state = op, peer, native, deadline, _PROC
+        self.ours = ours  # the preps of our own memory it moves (deregister waits for it)
 
 
 def _caps() -> Capabilities:
@@ -236,7 +238,19 @@ class UcxBackend(Backend):
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
         with self._lock:
-            self._regions.remove(handle)
+            descs = self._regions.remove(handle)
+            retired = set()
+            for h, p in list(self._preps.items()):  # lists of it: refused from now on
+                if p.peer is None and p.descs.kind is descs.kind and self._regions.lost(descs, p.descs.array):
+                    self._preps[h] = replace(p, retired=True)
+                    retired.add(id(p))
+            # our own transfers still moving its bytes land (or fail) first, as on release: UCX cannot
+            # call back bytes it has posted, and the caller frees the memory next
+            for x in list(self._xfers.values()):
+                if any(id(p) in retired for p in x.ours):
+                    end = x.deadline + 1.0
+                    while self._state(x).status is _PROC_STATUS and time.monotonic() < end:
+                        time.sleep(0.0002)
             for m, _ in self._mapped.pop(handle, []):
                 if m is not None:
                     m.unmap()
@@ -309,7 +323,7 @@ class UcxBackend(Backend):
 
     def _pidfd(self, md: UcxMetadata) -> int:
         """A pidfd of a same-host peer, after checking the pid is that peer's."""
-        if md.pid <= 0 or start_time(md.pid) != md.start:
+        if md.pid <= 0 or not is_process(md.pid, md.start):
             raise PeerDisconnected(f"peer {md.name!r} (pid {md.pid} on this host) is not running")
         try:
             return os.pidfd_open(md.pid)
@@ -469,6 +483,9 @@ class UcxBackend(Backend):
             lp, rp = self._preps[local_prep], self._preps[remote_prep]  # raises InvalidHandle
         if lp.peer is not None:
             raise InvalidArgument("local_prep must come from prep(None, ...): it describes our own memory")
+        if lp.retired or rp.retired:
+            raise InvalidDescriptor("a prepped list of this transfer covers memory deregistered since it was "
+                                    "prepped: release it, and prep the memory registered now")
         peer = self._peers.get(rp.peer) if rp.peer is not None else None
         if peer is None:
             peer = self._peer(rp.peer)
@@ -509,7 +526,7 @@ class UcxBackend(Backend):
         except (self._ucp.Error, RuntimeError) as e:
             return self._post_failed(op, peer, rp.peer, e)
         h = next(self._ids)  # the base class's id space (a C iterator: atomic under the GIL)
-        self._xfers[h] = _Xfer(op, peer, nx, time.monotonic() + self.timeout)
+        self._xfers[h] = _Xfer(op, peer, nx, time.monotonic() + self.timeout, (lp, rp) if rp.peer is None else (lp,))
         return h  # type: ignore[return-value]  (XferHandle is an int)
 
     def _post_failed(self, op: Op, peer: _Peer, name: str | None, e: Exception) -> XferHandle:
