@@ -129,10 +129,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def deregister(self, handle: RegHandle) -> None:
         """Undo ``register``.  An unknown or already deregistered handle
-        raises ``InvalidHandle`` and changes nothing.  A backend whose own
-        code serves peers' requests (``owner_check="server"``) returns only
-        once none of them touches that memory any more, same-host peers'
-        direct copies included (``kvt.epoch``): the caller may free it next."""
+        raises ``InvalidHandle`` and changes nothing.  Memory that no other
+        registration holds is gone for this backend's own transfers: those
+        still moving its bytes have landed or end ``ERR`` before this returns,
+        and a transfer posted later with a prep of it is refused
+        (``InvalidDescriptor`` at post, or ``ERR``); memory registered twice
+        stays usable (``RegionTable.lost``).  A backend whose own code serves
+        peers' requests (``owner_check="server"``) also returns only once none
+        of them touches that memory any more, same-host peers' direct copies
+        included (``kvt.epoch``).  The caller may free the memory next."""
 
     def get_xfer_descs(self, mem: Any, kind: MemKind | str | None = None) -> Descs:
         """Build a descriptor list from ``Descs``, an ``(n, 3)`` array of

@@ -32,20 +32,31 @@ it after each copy: bytes copied from or into a dead owner must not count.
 A peer that finds no id there (the owner's engine is pure Python) polls the
 owner's pidfd instead.
 
+The page also vouches for the owner's metadata: the owner writes a digest
+of its region table (``publish``) at each change, and a peer takes the
+same-host paths only for metadata whose table has that digest
+(``EpochWatch.vouches``).  Metadata reaches a peer from wherever it came
+(a handshake endpoint named in a request): forged, it could claim another
+process's unregistered memory, and those paths ask its owner nothing.  The
+page is the owner's word, reached through ``/proc/<pid>/fd``, which only the
+owner fills.
+
 Page layout (4 KiB, whatever the system's page size): the counter at byte
 0, ``_MAGIC`` at byte 8 when the owner's drain watches slots, the liveness
-word (uint32) at byte 20, then 63 slots of 64 bytes (one cache line each)
-from byte 64: the claimant's tag (``pid << 32 | n``, 0 when free) and its
-count of copies under way.
+word (uint32) at byte 20, the table's digest (32 bytes) at byte 32, then 63
+slots of 64 bytes (one cache line each) from byte 64: the claimant's tag
+(``pid << 32 | n``, 0 when free) and its count of copies under way.
 
-This protects against stale metadata, the honest mistake.  It is not a
-boundary against a hostile process of the same user: on one host the
-kernel, not kvt, decides who may read whose memory (docs/security.md).
+This protects against stale metadata, the honest mistake, and forged
+metadata from afar.  It is not a boundary against a hostile process of the
+same user: on one host the kernel, not kvt, decides who may read whose
+memory (docs/security.md).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import itertools
 import mmap
 import os
@@ -64,11 +75,16 @@ _PAGE = 4096
 _MAGIC = int.from_bytes(b"kvtslot1", "little")  # at byte 8: this owner's drain watches the slots
 _SLOTS_AT, _SLOT_BYTES, _NSLOTS = 64, 64, 63
 _ALIVE_AT = 20
+_DIGEST_AT, _DIGEST = 32, 32  # the region table's digest: where, and its bytes
 _TID_MASK, _OWNER_DIED = 0x3FFFFFFF, 0x40000000  # <linux/futex.h>
 _PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT: a claimant tag naming a larger pid is nobody's
 _tags = itertools.count(1)  # n in this process's claimant tags (pid << 32 | n): one per watch
 # the page can never shrink: a peer that maps it cannot be made to fault (SIGBUS) on a truncated file
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _digest(table: bytes) -> bytes:
+    return hashlib.blake2b(table, digest_size=_DIGEST, person=b"kvt-regions").digest()
 
 
 def _slots(mm: mmap.mmap) -> np.ndarray:
@@ -116,6 +132,11 @@ class Epoch:
     @property
     def value(self) -> int:
         return _COUNTER.unpack_from(self._mm)[0]
+
+    def publish(self, table: bytes) -> None:
+        """Vouch for ``table``, the region table our metadata carries from
+        now on (callers serialise, and publish before they hand it out)."""
+        self._mm[_DIGEST_AT:_DIGEST_AT + _DIGEST] = _digest(table)
 
     def bump(self) -> None:
         """Call after a deregistration (callers serialise)."""
@@ -177,10 +198,10 @@ class EpochWatch:
             if not fcntl.fcntl(f, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
                 raise OSError(f"{path} is not sealed against shrinking, as a registration epoch is")
             size = os.fstat(f).st_size
-            if size < _COUNTER.size:
+            if size < _DIGEST_AT + _DIGEST:
                 raise OSError(f"{path} is too small to be a registration epoch")
             slots = slots and size >= _PAGE
-            self._mm = mmap.mmap(f, _PAGE if slots else _COUNTER.size, flags=mmap.MAP_SHARED,
+            self._mm = mmap.mmap(f, _PAGE if slots else _DIGEST_AT + _DIGEST, flags=mmap.MAP_SHARED,
                                  prot=mmap.PROT_READ | mmap.PROT_WRITE if slots else mmap.PROT_READ)
         except BaseException:
             os.close(f)
@@ -235,6 +256,12 @@ class EpochWatch:
             return cls(pid, fd, seen, claim_slot)
         except (OSError, ValueError, TypeError, OverflowError):  # TypeError: pid or fd not a number
             return None
+
+    def vouches(self, table: bytes) -> bool:
+        """Whether the owner published ``table`` as its region table: a
+        peer's metadata claiming more (or other) memory than the owner
+        registered is not taken on one host (tcp, through its server, instead)."""
+        return self._mm[_DIGEST_AT:_DIGEST_AT + _DIGEST] == _digest(table)
 
     def hold(self) -> bool:
         """Before a same-host copy: the owner's ``drain`` now waits for our

@@ -141,6 +141,17 @@ class BrokenDeregisterNoDrain(ExampleBackend):
         self._regions.remove(handle)
 
 
+class BrokenOwnMemoryUnchecked(ExampleBackend):
+    """Test double: a copy checks only the target's registrations, not ours
+    (as the example once did): a transfer queued before we deregistered its
+    memory, or posted afterwards with a prep of it, still copies it."""
+
+    def _claim(self, rows):
+        with self._cv:
+            self._copying += 1
+            return True
+
+
 class BrokenSettledEarly(ExampleBackend):
     """Test double: answers ``SETTLED`` as soon as a transfer is queued (as
     if posted meant done); its bytes land ``LAG`` later."""
@@ -558,6 +569,7 @@ SUITES = {
     "BrokenDeregisterNoDrain": ("RegistrationTests", "OwnerCheckTests", "CompletionTests"),
     "BrokenReleaseReturnsEarly": ("TransferTests", "CompletionTests", "EngineScenarioTests"),
     "BrokenSettledEarly": ("RegistrationTests", "CompletionTests"),
+    "BrokenOwnMemoryUnchecked": ("RegistrationTests", "CompletionTests"),
     "BrokenNotifAfterFirstRequest": ("DescriptorTests", "TransferTests", "NotificationTests"),
     "BrokenRangeArithmetic": ("RegistrationTests", "TransferTests", "ErrorTests"),
     "BrokenOwnerChecksStartsOnly": ("TransferTests", "OwnerCheckTests"),
@@ -592,6 +604,7 @@ VARIANTS = (ExampleBackend, BrokenEarlyDone, BrokenEarlyDoneRead, BrokenEarlyDon
             BrokenNotifOnRefusal, BrokenEmptyPeerName, BrokenLongPeerName, BrokenReaddDropsPeer, BrokenAcceptsAnyOption,
             BrokenCloseNoDrain, BrokenTruncatesLongRows, BrokenTransferAfterRemove, BrokenRemoveKeepsInFlight,
             BrokenDupAttachedNotif, BrokenNotifToLastPeer, BrokenNotifyNoSizeCheck, BrokenNotifyNoTypeCheck,
-            BrokenReleasePrepEndsTransfers, BrokenLeaksWorkerOnClose, BrokenUnhashablePeerName, BrokenSettledEarly)
+            BrokenReleasePrepEndsTransfers, BrokenLeaksWorkerOnClose, BrokenUnhashablePeerName, BrokenSettledEarly,
+            BrokenOwnMemoryUnchecked)
 if HostBackend is not None:
     VARIANTS += (BrokenHostBlockingCheckState, BrokenHostFailsOnePerTimeout, BrokenHostDeregisterNoDrain)

@@ -50,9 +50,12 @@ NOTIFICATION_TESTS = [f"NotificationTests::{t}" for t in (
     "test_attached_to_local_transfer")]
 
 #: tests a variant that replaces ExampleBackend._run may fail without that being its breakage: its
-#: copies are not counted for deregister (or close) to wait on (test_the_unbroken_example_passes holds the example to them)
-RUN_REPLACED = {f"OwnerCheckTests::test_{verb}_waits_for_requests_in_flight[{op}]"
-                for verb in ("deregister", "close") for op in ("READ", "WRITE")}
+#: copies are not counted for deregister (or close) to wait on, nor checked against our own registrations
+#: (test_the_unbroken_example_passes holds the example to them)
+RUN_REPLACED = {*(f"OwnerCheckTests::test_{verb}_waits_for_requests_in_flight[{op}]"
+                  for verb in ("deregister", "close") for op in ("READ", "WRITE")),
+                *(f"CompletionTests::test_deregister_stops_our_transfers_of_that_memory[local-{op}]"
+                  for op in ("READ", "WRITE"))}
 
 #: variant -> (tests that must fail, areas and tests that must still pass)
 EXPECT = {
@@ -103,9 +106,15 @@ EXPECT = {
         ["registration", "descriptors", "transfers", "completion", "metadata", "errors", "faults",
          "ConcurrencyTests::test_many_in_flight[local-READ]", "NotificationTests::test_nothing_pending_is_empty"]),
     "BrokenDeregisterNoDrain": (
-        [f"OwnerCheckTests::test_deregister_waits_for_requests_in_flight[{op}]" for op in ("READ", "WRITE")],
-        ["registration", "completion", *(f"OwnerCheckTests::test_stale_metadata_is_refused[{op}]"
-                                         for op in ("READ", "WRITE"))]),
+        [*(f"OwnerCheckTests::test_deregister_waits_for_requests_in_flight[{op}]" for op in ("READ", "WRITE")),
+         *(f"CompletionTests::test_deregister_stops_our_transfers_of_that_memory[local-{op}]" for op in ("READ", "WRITE"))],
+        ["registration", "CompletionTests::test_release_in_flight[local-READ]",
+         "CompletionTests::test_released_transfer_lands_nothing_later[local-READ]",
+         *(f"OwnerCheckTests::test_stale_metadata_is_refused[{op}]" for op in ("READ", "WRITE"))]),
+    "BrokenOwnMemoryUnchecked": (
+        [f"CompletionTests::test_deregister_stops_our_transfers_of_that_memory[local-{op}]" for op in ("READ", "WRITE")],
+        ["registration", "CompletionTests::test_release_in_flight[local-READ]",
+         "CompletionTests::test_never_done_before_the_data[local-READ-DRAM]"]),
     "BrokenReleaseReturnsEarly": (
         [f"CompletionTests::test_released_transfer_lands_nothing_later[local-{op}]" for op in ("READ", "WRITE")],
         ["transfers", "engine",

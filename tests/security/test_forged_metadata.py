@@ -202,3 +202,31 @@ def test_a_segment_not_sealed_against_shrinking_is_not_mapped():
         memops.munmap(addr, size)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE])
+@pytest.mark.parametrize("transport", ["auto", "cma"])
+def test_metadata_widening_a_same_host_owners_regions_moves_nothing_outside_them(owner, transport, op):
+    """Anyone can fetch a same-host owner's metadata; widened to cover the
+    owner's unregistered guard zones and handed to a victim under another
+    name (say through ``kv_transfer_params``), it made the victim's shm and
+    cma paths, which ask the owner nothing, READ and WRITE those guards.  The
+    owner's epoch page now vouches for its real tables: the victim takes the
+    owner's server, which refuses the rows.  Honest metadata keeps the
+    direct paths."""
+    from kvt.errors import RemoteRejected
+    from owner import GUARD
+    lo = owner.base - GUARD
+    forged = msgspec.structs.replace(owner.md, name="evil", regions={
+        "DRAM": np.array([[lo, GUARD + REGION + GUARD, 0]], np.uint64).tobytes()})
+    local = np.full(GUARD, 0x66, np.uint8)
+    with HostBackend("victim", {"timeout": 5, "transport": transport}) as b:
+        b.register(local)
+        honest = b.add_remote(encode(msgspec.structs.replace(owner.md, name="honest")))
+        assert b._peers[honest].same_host, "honest metadata of a same-host owner lost the direct paths"
+        name = b.add_remote(encode(forged))
+        lp, rp = b.prep(None, Descs([(local.ctypes.data, GUARD, 0)])), b.prep(name, Descs([(lo, GUARD, 0)]))
+        state = _settle(b, b.transfer(op, lp, None, rp, None))
+        assert state.failed and isinstance(state.cause, RemoteRejected), state
+    assert (local == 0x66).all(), "a READ brought the owner's unregistered memory"
+    assert owner.ask("check")[0], "a WRITE landed outside what the owner registered"

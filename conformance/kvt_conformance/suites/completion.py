@@ -161,17 +161,16 @@ class CompletionTests(BackendFixtures):
         near.fill_byte(0xFF)
         far_then = _read(far, nbytes)
         settle_all(backend, [h for h in handles if not is_settled(h)], wait_for)  # DONE or ERR: either
-        if op is Op.READ:
-            late = np.flatnonzero(near.read() != 0xFF)
-            assert not late.size, (
-                f"{late.size} bytes landed in deregistered memory after deregister returned, first at offset "
-                f"{late[0]}: end or wait for this backend's transfers of that memory before returning")
-        else:
-            assert_bytes(_read(far, nbytes), far_then, "the WRITE's destination, after deregister of its source returned "
-                         "(a WRITE still read the deregistered memory: end or wait for it before returning)")
-        with pytest.raises(InvalidDescriptor):
+        why = "end or wait for this backend's transfers of that memory before returning"
+        _assert_untouched(op, near, far, far_then, nbytes, f"after deregister returned ({why})")
+        try:
             h = backend.transfer(op, lp, None, rp, None)
-            settle(backend, h, wait_for)  # (a backend that posts it anyway fails the test here, not later)
+        except InvalidDescriptor:
+            return
+        state = settle(backend, h, wait_for)
+        assert state.failed, (f"a {op.value} posted with a prep of memory deregistered since ended {state!r}; "
+                              "refuse it (InvalidDescriptor at post, or ERR)")
+        _assert_untouched(op, near, far, far_then, nbytes, "by a transfer posted with a prep of it")
 
     @requires("local", "READ")
     def test_handles_are_distinct(self, backend, local_buffer, wait_for):
@@ -207,6 +206,16 @@ class CompletionTests(BackendFixtures):
                          f"memory when the {op.value} first reported DONE (report DONE only once the last byte "
                          "landed at the destination, e.g. after the target acknowledged a WRITE)")
             backend.release(handle)
+
+
+def _assert_untouched(op: Op, near, far, far_then: np.ndarray, nbytes: int, when: str) -> None:
+    """Deregistered ``near`` (overwritten with 0xFF) received no READ, and
+    ``far`` got none of it by WRITE."""
+    if op is Op.READ:
+        late = np.flatnonzero(near.read() != 0xFF)
+        assert not late.size, (f"{late.size} bytes landed in deregistered memory {when}, first at offset {late[0]}")
+    else:
+        assert_bytes(_read(far, nbytes), far_then, f"a WRITE's destination: the WRITE read deregistered memory {when}")
 
 
 def _read(buf, nbytes: int) -> np.ndarray:

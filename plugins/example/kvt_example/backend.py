@@ -192,23 +192,42 @@ class ExampleBackend(Backend):
         target = self if job.peer is None else _AGENTS.get(job.peer)
         if target is None or target._closed:
             return job.finish(XferState.err(PeerDisconnected(f"peer {job.peer!r} is gone")))
-        # the target serves only memory registered now (it may have deregistered since its metadata),
-        # and its deregister waits for copies that passed this check
-        with target._cv:
-            if (Descs(job.rrows).locate(target._regions.of(MemKind.DRAM)) < 0).any():
+        # each side copies only memory its owner has registered now (we may have deregistered ours
+        # since the prep, the target its own since its metadata), and each owner's deregister waits
+        # for the copies that passed its check
+        ours = job.lrows if job.peer is not None else np.concatenate([job.lrows, job.rrows])
+        if not self._claim(ours):
+            return job.finish(XferState.err(TransferError(
+                f"{job.op.value}: its memory was deregistered while it was under way; register it again and retry")))
+        try:
+            if job.peer is not None and not target._claim(job.rrows):
                 return job.finish(XferState.err(RemoteRejected(
                     f"{job.op.value} touches memory {target.agent_name!r} no longer has registered")))
-            target._copying += 1
-        try:
-            src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
-            _copy(dst, src)
+            try:
+                src, dst = (job.rrows, job.lrows) if job.op is Op.READ else (job.lrows, job.rrows)
+                _copy(dst, src)
+            finally:
+                if job.peer is not None:
+                    target._unclaim()
         finally:
-            with target._cv:
-                target._copying -= 1
-                target._cv.notify_all()
+            self._unclaim()
         if job.notif is not None:
             target._inbox.deliver(self.agent_name, job.notif)
         job.finish(XferState.DONE)
+
+    def _claim(self, rows: np.ndarray) -> bool:
+        """Count a copy of ``rows`` of our memory in (``deregister`` waits for
+        it), if every row lies in memory registered now."""
+        with self._cv:
+            if (Descs(rows).locate(self._regions.of(MemKind.DRAM)) < 0).any():
+                return False
+            self._copying += 1
+            return True
+
+    def _unclaim(self) -> None:
+        with self._cv:
+            self._copying -= 1
+            self._cv.notify_all()
 
     def check_state(self, handle: XferHandle) -> XferState:
         self._check_open()

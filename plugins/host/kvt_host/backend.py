@@ -18,6 +18,7 @@ run in order and a slow peer cannot stall the others.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import select
 import sys
@@ -49,6 +50,8 @@ from .protocol import MAX_MESSAGE_BYTES, MAX_NAME, MAX_SEGMENTS, HostMetadata, R
 from .server import Server
 from .stream import Stream
 from .staging import Mirrors
+
+log = logging.getLogger(__name__)
 
 _TRANSPORTS = ("auto", "cma", "tcp")
 _LIVE: "weakref.WeakValueDictionary[str, HostBackend]" = weakref.WeakValueDictionary()  # by server endpoint
@@ -300,6 +303,13 @@ class _Peer:
             self.epoch.close()
         # same-host paths bypass the owner's server: without its epoch we could not tell stale metadata
         self.epoch = EpochWatch.open(md.pid, md.epoch_fd, md.epoch, claim_slot=True) if self.same_host else None
+        if self.epoch is not None and not self.epoch.vouches(_vouched(md.regions.get(MemKind.DRAM.value, b""),
+                                                                      md.segments)):
+            # not the tables the owner published: forged (wider regions, shifted segments) or changed
+            # since; its server judges every row instead
+            log.debug("metadata of %r is not what its owner vouches for; taking tcp", md.name)
+            self.epoch.close()
+            self.epoch = None
         self.same_host = self.epoch is not None
         self.cma_ok = self.same_host
         self.failed: TransferError | None = None  # set when it dies or stops answering; cleared by fresh metadata
@@ -412,6 +422,12 @@ class _Peer:
             self.stream = None
 
 
+def _vouched(dram: bytes, segments: bytes) -> bytes:
+    """What an owner's epoch page vouches for: its host memory's region table
+    and its segment table, as its metadata carries them."""
+    return len(dram).to_bytes(8, "little") + dram + segments
+
+
 def _checked(md: HostMetadata) -> tuple[dict[MemKind, Descs], np.ndarray]:
     """A peer's region and segment tables, validated (``WireError``): known
     kinds, no empty or wrapping rows, and never our own process, so forged
@@ -493,6 +509,7 @@ class HostBackend(_HostCore, Backend):
         self.inline_bytes = inline
         self._local = _Lane("kvt-host-local", self.timeout + 1)
         self._epoch = Epoch()
+        self._epoch.publish(_vouched(b"", b""))  # nothing registered yet
         key = self.options.get("auth_key")  # set by the Agent from configuration auth_key
         self._secret = None if key is None else Secret(key)
         try:
@@ -516,7 +533,21 @@ class HostBackend(_HostCore, Backend):
             if descs.kind is not MemKind.DRAM:
                 self._mirrors.add(h, descs)
             self._regions.add(h, descs)
+            self._publish()
         return RegHandle(h)
+
+    def _tables(self) -> tuple[dict[MemKind, Descs], np.ndarray]:
+        """Our region tables and the shared segments of our host memory, as
+        our metadata carries them (call holding our lock)."""
+        return self._regions.by_kind(), memory.segments_of(self._regions.of(MemKind.DRAM))
+
+    def _publish(self) -> None:
+        """Vouch on our epoch page for the tables our metadata carries from now
+        on: a same-host peer takes its direct paths only for metadata with
+        these (kvt.epoch; forged metadata may claim more of us)."""
+        regions, segs = self._tables()
+        dram = regions.get(MemKind.DRAM)
+        self._epoch.publish(_vouched(b"" if dram is None else dram.array.tobytes(), segs.tobytes()))
 
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()
@@ -531,6 +562,7 @@ class HostBackend(_HostCore, Backend):
             drained = self._epoch.drain(self.timeout) and self._server.inflight.drain(descs, self.timeout) \
                 and self._stop_jobs_on(descs)
             self._mirrors.remove(handle)
+            self._publish()
         if not drained:
             raise KvtTimeoutError(f"a request still used the deregistered memory after {self.timeout:g}s; "
                                   "do not free it yet (this should not happen: report it)")
@@ -572,8 +604,8 @@ class HostBackend(_HostCore, Backend):
 
     def local_metadata(self) -> bytes:
         self._check_open()
-        regions = self._regions.by_kind()
-        segs = memory.segments_of(self._regions.of(MemKind.DRAM))
+        with self._lock:  # the tables _publish vouched for
+            regions, segs = self._tables()
         pid = os.getpid()
         return encode(HostMetadata(
             name=self.agent_name, endpoint=self._server.endpoint, host_id=host_id(), pid=pid,

@@ -228,6 +228,7 @@ class NixlBackend(_NixlCore, Backend):
                 # lists prepped over it hold NIXL pointers into the registration: retire them before
                 # NIXL frees it (a transfer re-checks under _nixl, then re-preps, i.e. re-checks, them)
                 self._retire(lambda p: p.peer is None)
+                self._settle_in_flight()
                 try:
                     with self._nixl:
                         self._agent.deregister_memory(reg)
@@ -406,6 +407,17 @@ class NixlBackend(_NixlCore, Backend):
         except Exception as e:
             self._check_open()  # closed by another thread meanwhile: say so
             raise native.translate(e, f"prepping {len(descs)} descriptors for {agent}", InvalidDescriptor) from e
+
+    def _settle_in_flight(self) -> None:
+        """Before memory leaves NIXL: wait until none of our transfers is in
+        flight (the caller frees the memory next).  NIXL's records do not
+        say which memory each moves, so every one, as ``release`` waits for
+        one: it lands, fails or misses its deadline (bounded by ``timeout``)."""
+        for x in [x for x in list(self._xfers.values()) if x.__class__ is _Xfer]:
+            while x.state is _PROC and x.handle is not None:
+                self._poll(x)
+                if x.state is _PROC:
+                    time.sleep(0.0002)
 
     def _retire(self, match: Callable[[_Prep], bool]) -> None:
         for p in self._preps.values():
