@@ -33,10 +33,12 @@ A peer that finds no id there (the owner's engine is pure Python) polls the
 owner's pidfd instead.
 
 The page also vouches for the owner's metadata: the owner writes a digest
-of its region table (``publish``) at each change, and a peer takes the
-same-host paths only for metadata whose table has that digest
-(``EpochWatch.vouches``).  Metadata reaches a peer from wherever it came
-(a handshake endpoint named in a request): forged, it could claim another
+of what its metadata says about its memory (``publish``: the region table,
+and whatever decides which process a transport reaches, joined by
+``table``) at each change, and a peer takes the same-host paths only for
+metadata with that digest (``EpochWatch.vouches``; ``vouched_watch``
+refuses the rest).  Metadata reaches a peer from wherever it came (a
+handshake endpoint named in a request): forged, it could claim another
 process's unregistered memory, and those paths ask its owner nothing.  The
 page is the owner's word, reached through ``/proc/<pid>/fd``, which only the
 owner fills.
@@ -66,8 +68,10 @@ import time
 import numpy as np
 
 from . import memcopy
+from .errors import PeerDisconnected, WireError
+from .procs import is_process
 
-__all__ = ["Epoch", "EpochWatch"]
+__all__ = ["Epoch", "EpochWatch", "table", "vouched_watch"]
 
 _NAME = "kvt-epoch"
 _COUNTER = struct.Struct("=Q")
@@ -85,6 +89,13 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 def _digest(table: bytes) -> bytes:
     return hashlib.blake2b(table, digest_size=_DIGEST, person=b"kvt-regions").digest()
+
+
+def table(*parts: bytes) -> bytes:
+    """What an owner vouches for, from the parts of its metadata that say
+    what memory it offers and where it runs (each length-prefixed, so no
+    two lists of parts join into the same bytes)."""
+    return b"".join(len(p).to_bytes(8, "little") + bytes(p) for p in parts)
 
 
 def _slots(mm: mmap.mmap) -> np.ndarray:
@@ -302,3 +313,23 @@ class EpochWatch:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def vouched_watch(pid: int, start: int, fd: int, seen: int, table: bytes, peer: str) -> EpochWatch:
+    """The epoch page of ``peer``, a same-host process whose metadata says
+    ``pid``, ``start`` (its start time), epoch ``fd`` and value ``seen``, if
+    the owner vouches for ``table`` (see ``table``).  For backends whose
+    same-host transport acts on whatever memory the metadata names (UCX's
+    cma): ``PeerDisconnected`` if no such process runs, ``WireError`` if its
+    page cannot be read or does not vouch for ``table``."""
+    if not (isinstance(pid, int) and 0 < pid <= _PID_MAX and is_process(pid, start)):
+        raise PeerDisconnected(f"peer {peer!r} (pid {pid} on this host) is not running")
+    watch = EpochWatch.open(pid, fd, seen)
+    if watch is None:
+        raise WireError(f"metadata of {peer!r} names no registration epoch of its process on this host "
+                        f"(fd {fd}): it cannot be checked, so it is not used; fetch it again from the agent")
+    if not watch.vouches(table):
+        watch.close()
+        raise WireError(f"metadata of {peer!r} is not what its owner on this host vouches for: forged, or "
+                        "taken before the owner registered or deregistered memory; fetch it again from the agent")
+    return watch

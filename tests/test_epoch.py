@@ -176,3 +176,29 @@ os.kill(child, signal.SIGKILL)
 os.waitpid(child, 0)
 print("ok")
 """
+
+
+def test_vouched_watch_takes_only_what_the_owner_published():
+    """Backends whose same-host transport acts on whatever memory metadata
+    names (UCX's cma) open a peer's page only for what it vouches for."""
+    from kvt.epoch import table, vouched_watch
+    from kvt.errors import PeerDisconnected, WireError
+    from kvt.procs import start_time
+
+    pid, start = os.getpid(), start_time(os.getpid())
+    e = Epoch()
+    try:
+        e.publish(table(b"rows", b"address"))
+        w = vouched_watch(pid, start, e.fd, e.value, table(b"rows", b"address"), "owner")
+        assert not w.stale
+        w.close()
+        for parts in [(b"rows+", b"address"), (b"rows", b"another"), (b"rowsaddress",), (b"rows", b"addr", b"ess")]:
+            with pytest.raises(WireError, match="vouches for"):
+                vouched_watch(pid, start, e.fd, e.value, table(*parts), "owner")
+        with pytest.raises(WireError, match="no registration epoch"):
+            vouched_watch(pid, start, -1, 0, table(b"rows", b"address"), "owner")
+        for bad_pid, bad_start in [(pid, start + 1), (0, start), (1 << 40, start), (pid, -1)]:
+            with pytest.raises(PeerDisconnected, match="not running"):
+                vouched_watch(bad_pid, bad_start, e.fd, e.value, table(b"rows", b"address"), "owner")
+    finally:
+        e.close()

@@ -33,7 +33,7 @@ import numpy as np
 import zmq
 from kvt import extensions, memory, memcopy
 from kvt.auth import Secret
-from kvt.epoch import Epoch, EpochWatch
+from kvt.epoch import Epoch, EpochWatch, table as vouched
 from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, seconds, take_handle
 from kvt.procs import host_id, is_process, start_time
 from kvt.errors import (AuthenticationError, ClosedError, ConfigError, HandshakeError, HandshakeTimeout,
@@ -303,7 +303,7 @@ class _Peer:
             self.epoch.close()
         # same-host paths bypass the owner's server: without its epoch we could not tell stale metadata
         self.epoch = EpochWatch.open(md.pid, md.epoch_fd, md.epoch, claim_slot=True) if self.same_host else None
-        if self.epoch is not None and not self.epoch.vouches(_vouched(md.regions.get(MemKind.DRAM.value, b""),
+        if self.epoch is not None and not self.epoch.vouches(vouched(md.regions.get(MemKind.DRAM.value, b""),
                                                                       md.segments)):
             # not the tables the owner published: forged (wider regions, shifted segments) or changed
             # since; its server judges every row instead
@@ -422,12 +422,6 @@ class _Peer:
             self.stream = None
 
 
-def _vouched(dram: bytes, segments: bytes) -> bytes:
-    """What an owner's epoch page vouches for: its host memory's region table
-    and its segment table, as its metadata carries them."""
-    return len(dram).to_bytes(8, "little") + dram + segments
-
-
 def _checked(md: HostMetadata) -> tuple[dict[MemKind, Descs], np.ndarray]:
     """A peer's region and segment tables, validated (``WireError``): known
     kinds, no empty or wrapping rows, and never our own process, so forged
@@ -509,7 +503,7 @@ class HostBackend(_HostCore, Backend):
         self.inline_bytes = inline
         self._local = _Lane("kvt-host-local", self.timeout + 1)
         self._epoch = Epoch()
-        self._epoch.publish(_vouched(b"", b""))  # nothing registered yet
+        self._epoch.publish(vouched(b"", b""))  # nothing registered yet
         key = self.options.get("auth_key")  # set by the Agent from configuration auth_key
         self._secret = None if key is None else Secret(key)
         try:
@@ -547,7 +541,7 @@ class HostBackend(_HostCore, Backend):
         these (kvt.epoch; forged metadata may claim more of us)."""
         regions, segs = self._tables()
         dram = regions.get(MemKind.DRAM)
-        self._epoch.publish(_vouched(b"" if dram is None else dram.array.tobytes(), segs.tobytes()))
+        self._epoch.publish(vouched(b"" if dram is None else dram.array.tobytes(), segs.tobytes()))
 
     def deregister(self, handle: RegHandle) -> None:
         self._check_open()

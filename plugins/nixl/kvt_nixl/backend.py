@@ -45,7 +45,7 @@ from kvt.types import (Availability, Capabilities, Descs, MemKind, Op, PrepHandl
 from kvt.ucxkeys import LOOPBACK, cross_host_refused, loopback_default
 
 from . import native, vet
-from .metadata import epoch_watch, pack, unpack
+from .metadata import NixlMetadata, epoch_watch, pack, tables, unpack, vouched
 from .options import OPTION_NAMES, parse_options
 
 __all__ = ["NixlBackend"]
@@ -185,6 +185,7 @@ class NixlBackend(_NixlCore, Backend):
                                                          # for a transfer that finished within its post
         self._leaked: list[Any] = []                     # NIXL handles it would not free yet
         self._own_blob: bytes | None = None              # our NIXL metadata, to check peers' against
+        self._publish()
         # NIXL's pybind agent, its verbs bound once: attribute lookups show on the microsecond hot path
         self._bind = bind = self._agent.agent
         self._make, self._post, self._status = bind.makeXferReq, bind.postXferReq, bind.getXferStatus
@@ -215,6 +216,7 @@ class NixlBackend(_NixlCore, Backend):
             h = self._next_id()
             self._regs[h] = reg
             self._regions.add(h, descs)
+            self._publish()
         return RegHandle(h)
 
     def deregister(self, handle: RegHandle) -> None:
@@ -239,6 +241,7 @@ class NixlBackend(_NixlCore, Backend):
             del self._regs[handle]
             # UCX's same-host copies (cma) ignore remote keys: same-host peers watch this instead
             self._epoch.bump()
+            self._publish()
             self._retire(lambda p: p.peer is None)  # they may point into it: re-check before use
 
     # -- peers ----------------------------------------------------------------
@@ -252,24 +255,47 @@ class NixlBackend(_NixlCore, Backend):
         except Exception as e:
             self._check_open()  # closed by another thread meanwhile: say so
             raise native.translate(e, "reading our NIXL metadata", TransferError) from e
-        return pack(self.agent_name, blob, self._regions.by_kind(), self._epoch)
+        with self._lock:  # the tables _publish vouched for
+            return pack(self.agent_name, blob, tables(self._regions.by_kind()), self._epoch.value, self._epoch.fd)
 
-    def add_remote(self, metadata: bytes) -> str:
-        self._check_open()
-        if self._own_blob is None:  # our connection records: the format a peer's must match
+    def _own(self) -> bytes:
+        """Our NIXL blob as it was first read: its connection records are what
+        peers check theirs against and what our epoch page vouches for."""
+        if self._own_blob is None:
             try:
                 with self._nixl:
                     self._own_blob = self._agent.get_agent_metadata()
             except Exception as e:
                 self._check_open()  # closed by another thread meanwhile: say so
                 raise native.translate(e, "reading our NIXL metadata", TransferError) from e
-        md, regions = unpack(metadata, self._own_blob)
+        return self._own_blob
+
+    def _publish(self) -> None:
+        """Vouch on our epoch page for the region tables our metadata carries
+        from now on, with our connection records (call holding the lock, or
+        in __init__): a same-host peer refuses metadata claiming other memory
+        of us, or pairing our pid with another process's addresses (kvt.epoch)."""
+        self._epoch.publish(vouched(tables(self._regions.by_kind()), self._own()))
+
+    def add_remote(self, metadata: bytes) -> str:
+        self._check_open()
+        md, regions, vouch = unpack(metadata, self._own())  # our connection records: the format a peer's must match
         if md.name == self.agent_name:
             raise InvalidArgument(f"metadata is this agent's own ({md.name!r}); local transfers use prep(None, ...)")
         if md.host_id != host_id() and self._settings["env"].get("UCX_NET_DEVICES") == LOOPBACK:
             raise ConfigError(cross_host_refused(md.name, 'ucx_env = {UCX_NET_DEVICES = "eth0"}'))
         if md.nixl not in (self._blobs.get(md.name), self._parked.get(md.name)):  # loaded before: vetted then
             vet.vet(self._settings, md.nixl, md.name)
+        watch = epoch_watch(md, vouch)  # on this host: only metadata its owner vouches for
+        try:
+            return self._load(md, regions, watch)
+        except BaseException:
+            if watch is not None:
+                watch.close()
+            raise
+
+    def _load(self, md: NixlMetadata, regions: dict, watch: EpochWatch | None) -> str:
+        """``add_remote`` of checked metadata (``watch``: its owner's epoch, on this host)."""
         with self._lock:
             self._check_open()
             parked = self._parked.pop(md.name, None)
@@ -306,8 +332,7 @@ class NixlBackend(_NixlCore, Backend):
             name = md.name
             self._peers[name], self._blobs[name] = regions, md.nixl
             self._silent.pop(name, None)  # loaded again: given another chance
-            old, self._watches[name] = self._watches.get(name), epoch_watch(md)
-            watch = self._watches[name]
+            old, self._watches[name] = self._watches.get(name), watch
             self._retire(lambda p: p.peer == name)  # NIXL refuses lists prepped before a reload
             for p in self._preps.values():
                 if p.peer == name:

@@ -14,14 +14,14 @@ import struct
 
 import msgspec
 import numpy as np
-from kvt.epoch import Epoch, EpochWatch
+from kvt.epoch import EpochWatch, table, vouched_watch
 from kvt.errors import WireError
-from kvt.procs import host_id, is_process, start_time
+from kvt.procs import host_id, start_time
 from kvt.types import Descs, MemKind
 from kvt.ucxkeys import is_host_rkey, same_address_format
 from kvt.wire import Message, decode, encode
 
-__all__ = ["NixlMetadata", "pack", "unpack", "check_nixl_blob", "agent_name", "MAX_NIXL_BYTES"]
+__all__ = ["NixlMetadata", "pack", "unpack", "vouched", "check_nixl_blob", "agent_name", "MAX_NIXL_BYTES"]
 
 #: largest NIXL blob a peer may hand us (a few hundred bytes per registered region)
 MAX_NIXL_BYTES = 16 << 20
@@ -49,19 +49,36 @@ class NixlMetadata(Message, tag="nixl_md"):
     epoch: int = 0
 
 
-def pack(name: str, nixl: bytes, regions: dict[MemKind, Descs], epoch: Epoch) -> bytes:
+def tables(regions: dict[MemKind, Descs]) -> dict[str, bytes]:
+    """Region tables as metadata carries them."""
+    return {k.value: d.array.tobytes() for k, d in regions.items()}
+
+
+def pack(name: str, nixl: bytes, regions: dict[str, bytes], epoch: int, epoch_fd: int) -> bytes:
+    """Our metadata: ``regions`` as ``tables`` gives them, our epoch's value and fd."""
     pid = os.getpid()
-    return encode(NixlMetadata(name=name, nixl=nixl,
-                               regions={k.value: d.array.tobytes() for k, d in regions.items()},
-                               host_id=host_id(), pid=pid, start_time=start_time(pid),
-                               epoch_fd=epoch.fd, epoch=epoch.value))
+    return encode(NixlMetadata(name=name, nixl=nixl, regions=regions, host_id=host_id(), pid=pid,
+                               start_time=start_time(pid), epoch_fd=epoch_fd, epoch=epoch))
 
 
-def epoch_watch(md: NixlMetadata) -> EpochWatch | None:
-    """A same-host peer's registration epoch, mapped; ``None`` for other hosts."""
-    if md.host_id != host_id() or not 0 < md.pid < 1 << 22 or not is_process(md.pid, md.start_time):
+def vouched(regions: dict[str, bytes], blob: bytes) -> bytes:
+    """What a nixl agent vouches for on its epoch page (kvt.epoch): its
+    region tables, and the connection records of its NIXL blob, which say
+    what process UCX reaches (``blob`` checked: ``check_nixl_blob``)."""
+    records = _records(blob, "?")
+    conns = records[:records.index((b"", b"MemSection"))]  # the agent's name and its connection records
+    return table(table(*(p for k in sorted(regions) for p in (k.encode(), regions[k]))), table(*(v for _, v in conns)))
+
+
+def epoch_watch(md: NixlMetadata, vouch: bytes) -> EpochWatch | None:
+    """A same-host peer's registration epoch, mapped, if the peer vouches
+    for ``vouch`` (``unpack``'s); ``None`` for other hosts.  On this host
+    UCX's cma acts on whatever memory the metadata names, in whatever
+    process its addresses name: ``WireError`` if the owner does not vouch
+    for it, ``PeerDisconnected`` if it names no running process."""
+    if md.host_id != host_id():
         return None
-    return EpochWatch.open(md.pid, md.epoch_fd, md.epoch)
+    return vouched_watch(md.pid, md.start_time, md.epoch_fd, md.epoch, vouch, md.name)
 
 
 class _Reader:
@@ -179,14 +196,16 @@ def agent_name(blob: bytes) -> str:
     return _records(blob, "?")[0][1].decode(errors="replace")
 
 
-def unpack(data: bytes, reference: bytes | None = None) -> tuple[NixlMetadata, dict[MemKind, Descs]]:
+def unpack(data: bytes, reference: bytes | None = None) -> tuple[NixlMetadata, dict[MemKind, Descs], bytes]:
     """Decode a peer's metadata and its region table (``WireError`` if
     malformed), the NIXL blob checked structurally (see ``check_nixl_blob``;
-    ``reference`` is our own NIXL blob) and its addresses padded (``pad_addresses``)."""
+    ``reference`` is our own NIXL blob) and its addresses padded
+    (``pad_addresses``); with what its owner must vouch for (``vouched``)."""
     md = decode(data, NixlMetadata)
     if not 0 < len(md.name) <= 256:
         raise WireError("agent name must be 1 to 256 characters")
     check_nixl_blob(md.nixl, md.name, reference)
+    vouch = vouched(md.regions, md.nixl)
     md = msgspec.structs.replace(md, nixl=pad_addresses(md.nixl))
     try:
         regions = {}
@@ -197,4 +216,4 @@ def unpack(data: bytes, reference: bytes | None = None) -> tuple[NixlMetadata, d
             d.check_rows(f"{kind} regions")
     except ValueError as e:  # also an unknown memory kind
         raise WireError(f"bad region table in the nixl metadata of {md.name!r}: {e}") from e
-    return md, regions
+    return md, regions, vouch

@@ -153,7 +153,7 @@ def test_connection_records_reach_nixl_padded_with_zeros(make_backend):
     raw = decode(data, NixlMetadata)
     records = _records(raw.nixl, raw.name)
     address = dict(records)[b"c"]
-    md, _ = unpack(data)
+    md, _, _ = unpack(data)
     padded = dict(_records(md.nixl, md.name))[b"c"]
     assert ADDRESS_PAD >= 4096 and padded == address + bytes(ADDRESS_PAD)
     assert [r for r in _records(md.nixl, md.name) if r[0] != b"c"] == [r for r in records if r[0] != b"c"]
@@ -263,7 +263,9 @@ else:
 for case, changes in cases.items():
     blob = _blob([(t, changes.get(i, v)) for i, (t, v) in enumerate(records)])
     try:
-        name = victim.add_remote(encode(NixlMetadata(name=md.name, nixl=blob, regions=md.regions, host_id=md.host_id)))
+        # as from another host: on this one the owner's epoch page vouches for its blob's connection records,
+        # and forged ones are refused before NIXL (or the sandbox) could show what they do
+        name = victim.add_remote(encode(NixlMetadata(name=md.name, nixl=blob, regions=md.regions, host_id="elsewhere")))
         victim.remove_remote(name)
         print("case", case, "loaded", flush=True)
     except KvtError as e:
@@ -321,3 +323,52 @@ def test_notifications_over_the_declared_size_from_a_raw_nixl_peer_are_dropped(m
     time.sleep(0.5)  # and nothing after them
     got += victim.get_notifs().get("raw-sender", [])
     assert [len(m) for m in got] == [1, limit]
+
+
+@pytest.mark.parametrize("forgery", ["wider regions", "our own process", "another process's address", "no epoch"])
+def test_same_host_metadata_its_owner_does_not_vouch_for_is_refused(make_backend, peer, local_buf, forgery):
+    """UCX's cma copies whatever rows a remote descriptor names, in whatever
+    process the blob's worker address names, asking that process nothing;
+    kvt checks descriptors against the regions the metadata lists.  Forged
+    metadata of a same-host owner (regions widened, or its pid paired with
+    another process's addresses) made our READ and WRITE act on memory
+    nobody registered.  The owner vouches for its regions and connection
+    records on its epoch page; anything else is refused before NIXL sees it."""
+    from kvt.handshake import request
+    from kvt.procs import start_time
+    from kvt.wire import decode
+    from kvt_nixl.metadata import _blob, _records
+
+    b = make_backend()
+    b.register(Descs.from_buffers([local_buf]))
+    md, ours = decode(request(peer.endpoint, b"metadata", 10.0), NixlMetadata), decode(b.local_metadata(), NixlMetadata)
+    if forgery == "wider regions":  # the peer's unregistered memory past its buffer
+        rows = np.frombuffer(md.regions["DRAM"], np.uint64).reshape(-1, 3).copy()
+        rows[:, 1] += 1 << 20
+        forged = msgspec.structs.replace(md, regions={"DRAM": rows.tobytes()})
+    elif forgery == "our own process":  # our pid and page: the peer's regions would be looked up in us
+        forged = msgspec.structs.replace(md, pid=ours.pid, start_time=start_time(ours.pid), epoch_fd=ours.epoch_fd,
+                                         epoch=ours.epoch)
+    elif forgery == "another process's address":  # the peer's pid and page, our worker's address
+        mine = dict(_records(ours.nixl, ours.name))[b"c"]
+        forged = msgspec.structs.replace(md, nixl=_blob([(t, mine if t == b"c" else v)
+                                                         for t, v in _records(md.nixl, md.name)]))
+    else:
+        forged = msgspec.structs.replace(md, epoch_fd=-1)
+    with pytest.raises(WireError, match="vouches for|no registration epoch"):
+        b.add_remote(encode(forged))
+    assert not b._peers
+    assert load(b, peer)  # the honest metadata loads
+
+
+def test_metadata_taken_before_the_owner_registered_is_refused_and_fresh_metadata_loads(make_backend):
+    """Vouching covers the whole region table: metadata from before a
+    registration is refused with a word to fetch it again."""
+    owner, b = make_backend("owner"), make_backend()
+    bufs = [np.zeros(BLOCK, np.uint8) for _ in range(2)]
+    owner.register(Descs.from_buffers(bufs[:1]))
+    old = owner.local_metadata()
+    owner.register(Descs.from_buffers(bufs[1:]))
+    with pytest.raises(WireError, match="fetch it again"):
+        b.add_remote(old)
+    assert b.add_remote(owner.local_metadata()) == owner.agent_name

@@ -36,7 +36,7 @@ from typing import Any, Mapping
 
 import numpy as np
 from kvt.backend import Backend, HandleTable, Inbox, PeerTable, RegionTable, take_handle
-from kvt.epoch import Epoch, EpochWatch
+from kvt.epoch import Epoch, EpochWatch, table, vouched_watch
 from kvt.errors import (ConfigError, InvalidArgument, InvalidDescriptor, PeerDisconnected, RemoteRejected,
                         TransferError, TransferTimeout, WireError)
 from kvt.procs import host_id, is_process, start_time
@@ -212,6 +212,7 @@ class UcxBackend(Backend):
         self._retired: list[_Peer] = []  # replaced by the same process's new metadata, transfers still in flight
         self._inbox = Inbox()
         self._epoch = Epoch()  # bumped by deregister, watched by same-host peers
+        self._publish()
 
     # -- memory ---------------------------------------------------------------
 
@@ -233,6 +234,7 @@ class UcxBackend(Backend):
             self._mapped[h] = mapped
             self._regions.add(h, descs)
             self._self = None
+            self._publish()
         return RegHandle(h)
 
     def deregister(self, handle: RegHandle) -> None:
@@ -258,16 +260,28 @@ class UcxBackend(Backend):
             # same-host peers copy with cma, which ignores keys: their next posts see this and refuse
             # (one already under way is not waited for: owner_check "transport", see docs/backends/ucx.md)
             self._epoch.bump()
+            self._publish()
 
     # -- peers ----------------------------------------------------------------
 
+    def _rows(self) -> bytes:
+        """Our registered rows as our metadata carries them (call holding the lock)."""
+        return np.ascontiguousarray(self._regions.of(MemKind.DRAM).array, np.uint64).tobytes()
+
+    def _publish(self) -> None:
+        """Vouch on our epoch page for the rows and the worker address our
+        metadata carries from now on (call holding the lock, or in __init__):
+        a same-host peer refuses metadata that claims other rows of us, or
+        pairs our pid with another process's address (kvt.epoch)."""
+        self._epoch.publish(table(self._rows(), self._address))
+
     def _metadata(self) -> UcxMetadata:
         with self._lock:  # rows and keys in the same order: the RegionTable's (registration order)
-            rows = self._regions.of(MemKind.DRAM).array
+            rows = self._rows()
             rkeys = [k for mapped in self._mapped.values() for _, k in mapped]
+            epoch = self._epoch.value
         return UcxMetadata(name=self.agent_name, address=self._address, host=self._host, pid=self._pid,
-                           start=self._start, rows=np.ascontiguousarray(rows, np.uint64).tobytes(), rkeys=rkeys,
-                           epoch_fd=self._epoch.fd, epoch=self._epoch.value)
+                           start=self._start, rows=rows, rkeys=rkeys, epoch_fd=self._epoch.fd, epoch=epoch)
 
     def local_metadata(self) -> bytes:
         self._check_open()
@@ -290,10 +304,14 @@ class UcxBackend(Backend):
         peer_mode = self._mode == "peer" or (self._mode == "auto" and not (same_host and self._shm))
         if not ours:
             vet.vet(self._config, self._address, md.address, md.rkeys, peer_mode, md.name)
-        # an agent in this same process cannot die on its own: nothing to watch
-        pidfd = self._pidfd(md) if same_host and not ours and md.pid != self._pid else -1
-        ep, own, watched, keys = None, -1, False, []
+        # UCX's cma acts on whatever rows the metadata names, in whatever process its address names:
+        # on this host, only metadata its owner vouches for (kvt.epoch; also an agent of ours)
+        epoch = vouched_watch(md.pid, md.start, md.epoch_fd, md.epoch, table(raw, md.address), md.name) \
+            if same_host and not ours else None
+        ep, own, watched, keys, pidfd = None, -1, False, [], -1
         try:
+            # an agent in this same process cannot die on its own: nothing to watch
+            pidfd = self._pidfd(md) if epoch is not None and md.pid != self._pid else -1
             try:
                 ep = self._worker.connect(md.address, peer_mode)
             except self._ucp.Error as e:
@@ -307,7 +325,6 @@ class UcxBackend(Backend):
                     keys.append(ep.unpack(k) if k else None)
             except self._ucp.Error as e:
                 raise WireError(f"metadata of {md.name!r}: a remote key UCX cannot unpack: {e.args[0]}") from None
-            epoch = EpochWatch.open(md.pid, md.epoch_fd, md.epoch) if pidfd >= 0 else None
         except BaseException as e:  # nothing made for it stays open
             for h in [*(k.destroy for k in keys if k is not None), *([ep.close] if ep is not None else [])]:
                 try:
@@ -316,6 +333,8 @@ class UcxBackend(Backend):
                     pass
             for fd in ([pidfd] if pidfd >= 0 and not watched else []) + ([own] if own >= 0 else []):
                 os.close(fd)
+            if epoch is not None:
+                epoch.close()
             if isinstance(e, RuntimeError):  # the C module's "the UCX worker is closed": close() ran meanwhile
                 self._check_open()
             raise

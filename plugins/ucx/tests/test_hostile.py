@@ -205,3 +205,53 @@ def test_metadata_that_kills_the_sandbox_is_refused_and_the_next_check_starts_a_
     monkeypatch.undo()
     monkeypatch.setattr(sandbox, "_children", {})
     assert backend.add_remote(peer.metadata()) == "peer"
+
+
+def _forged(backend, peer, forgery: str) -> bytes:
+    """The peer's metadata, changed the way ``forgery`` says."""
+    import msgspec
+    from kvt.procs import start_time
+    from kvt.wire import decode, encode
+    from kvt_ucx.backend import UcxMetadata
+
+    md, ours = decode(peer.metadata(), UcxMetadata), decode(backend.local_metadata(), UcxMetadata)
+    rows = np.frombuffer(md.rows, np.uint64).reshape(-1, 3).copy()
+    if forgery == "wider rows":  # the peer's unregistered memory past its main buffer
+        rows[:, 1] += 1 << 20
+        return encode(msgspec.structs.replace(md, rows=rows.tobytes()))
+    if forgery == "another process's address":  # the peer's pid and page, our worker: cma would act on us
+        return encode(msgspec.structs.replace(md, address=ours.address))
+    if forgery == "our own process":  # our pid, page and address with the peer's rows: cma on our own memory
+        return encode(msgspec.structs.replace(md, pid=ours.pid, start=start_time(ours.pid), epoch_fd=ours.epoch_fd,
+                                              epoch=ours.epoch, address=ours.address))
+    if forgery == "no epoch":
+        return encode(msgspec.structs.replace(md, epoch_fd=-1))
+    raise AssertionError(forgery)
+
+
+@pytest.mark.parametrize("forgery", ["wider rows", "another process's address", "our own process", "no epoch"])
+def test_same_host_metadata_its_owner_does_not_vouch_for_is_refused(backend, peer, forgery):
+    """UCX's cma copies whatever rows the metadata names, in whatever process
+    its worker address names, asking that process nothing: forged metadata
+    handed to us (say through ``kv_transfer_params``) made our READ and
+    WRITE act on memory nobody registered, the peer's or our own.  A
+    same-host owner vouches for its rows and address on its epoch page;
+    anything else is refused before UCX sees it."""
+    from kvt.errors import WireError
+
+    with pytest.raises(WireError, match="vouches for|no registration epoch"):
+        backend.add_remote(_forged(backend, peer, forgery))
+    assert not backend._peers
+    _assert_serves(backend, peer, 4)  # the honest metadata loads and moves
+
+
+def test_metadata_taken_before_the_owner_deregistered_is_refused_and_fresh_metadata_loads(backend, peer):
+    """It used to load, and each post was refused (the epoch had moved); now
+    add_remote says to fetch it again."""
+    from kvt.errors import WireError
+
+    old = peer.metadata()
+    peer.withdraw_extra()
+    with pytest.raises(WireError, match="fetch it again"):
+        backend.add_remote(old)
+    _assert_serves(backend, peer, 5)

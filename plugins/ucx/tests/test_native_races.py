@@ -45,8 +45,10 @@ def _run(body: str, timeout: float = 90) -> str:
 def test_transfers_while_the_peer_is_replaced():
     """Public API: one thread transfers to B (256 rows: post releases the GIL)
     while another re-adds B's metadata, which closes the old endpoint and
-    keys (UcxBackend._drop): two versions of it in turn (unchanged metadata
-    would keep the endpoint).  Every transfer either runs or raises a kvt error."""
+    keys (UcxBackend._drop): a new version each time, B registering and
+    deregistering a buffer in turn (unchanged metadata would keep the
+    endpoint; an older version its owner no longer vouches for is refused).
+    Every transfer either runs or raises a kvt error."""
     out = _run("""
         from kvt_ucx import UcxBackend
         from kvt.types import Descs, Op
@@ -56,11 +58,8 @@ def test_transfers_while_the_peer_is_replaced():
         a, b = np.zeros(1 << 20, np.uint8), np.ones(1 << 20, np.uint8)
         A.register(Descs.from_buffers([a]))
         B.register(Descs.from_buffers([b]))
-        mdB = B.local_metadata()
-        A.add_remote(mdB)
-        c = np.ones(4096, np.uint8)
-        B.register(Descs.from_buffers([c]))
-        versions = [mdB, B.local_metadata()]
+        A.add_remote(B.local_metadata())
+        c, creg = np.ones(4096, np.uint8), None
         N = 256
         pl = A.prep(None, Descs.from_blocks(a.ctypes.data, 2048, np.arange(0, 2 * N, 2)))
         pr = A.prep("B", Descs.from_blocks(b.ctypes.data, 2048, np.arange(0, 2 * N, 2)))
@@ -74,12 +73,18 @@ def test_transfers_while_the_peer_is_replaced():
                     counts["errors"] += 1
         t = threading.Thread(target=mover)
         t.start()
-        deadline, i = time.monotonic() + SECONDS, 0
-        while time.monotonic() < deadline:
-            i += 1
-            A.add_remote(versions[i % 2])
-        stop = True
-        t.join()
+        try:
+            deadline = time.monotonic() + SECONDS
+            while time.monotonic() < deadline:
+                if creg is None:
+                    creg = B.register(Descs.from_buffers([c]))
+                else:
+                    B.deregister(creg)
+                    creg = None
+                A.add_remote(B.local_metadata())
+        finally:
+            stop = True
+            t.join()
         h = A.transfer(Op.READ, pl, None, pr, None)  # the last endpoint still works
         while A.check_state(h).pending:
             pass
