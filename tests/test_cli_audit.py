@@ -308,6 +308,14 @@ def test_bench_plot_to_a_format_matplotlib_cannot_write_is_refused_before_runnin
     assert BANNER not in r.stderr and not (tmp_path / "plot.txt").exists()
 
 
+def test_bench_option_a_backend_refuses_is_refused_before_running():
+    # before: the engines ahead of it (here the memcpy baseline) ran their whole plan, then the
+    # backend's processes failed on the option, and the run ended with exit 1 after the table
+    r = run_kvt(*tiny("--baselines", "memcpy", "-o", "inline_bytes=-1"))
+    assert_refused(r, "backend 'host'", "inline_bytes")
+    assert BANNER not in r.stderr
+
+
 def test_bench_plot_that_matplotlib_fails_to_write_is_one_line(tmp_path, monkeypatch, capsys):
     from kvt import cli
 

@@ -16,8 +16,8 @@ line is ``kvt.commands.bench``; docs/performance.md explains every figure.
 """
 
 from .plan import GROUPS, Case, Plan, format_size, make_plan, parse_size
-from .runner import EngineSpec, Outcome, run_engine
+from .runner import EngineSpec, Outcome, check_configs, run_engine
 from .stats import MEMCPY, RAW_NIXL, add_ratios, growth, merge_rounds, summarize
 
 __all__ = ["GROUPS", "Case", "Plan", "make_plan", "parse_size", "format_size", "EngineSpec", "Outcome",
-           "run_engine", "MEMCPY", "RAW_NIXL", "add_ratios", "growth", "merge_rounds", "summarize"]
+           "check_configs", "run_engine", "MEMCPY", "RAW_NIXL", "add_ratios", "growth", "merge_rounds", "summarize"]

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import Config
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, ConfigError
 from ..procs import child_of
 from .plan import Plan
 from .timing import measure
 
-__all__ = ["EngineSpec", "Outcome", "run_engine", "KINDS"]
+__all__ = ["EngineSpec", "Outcome", "run_engine", "check_configs", "KINDS"]
 
 #: engine kind -> module with ``serve(spec, plan, ready, serve_until_stopped)``
 #: (None: no target process) and ``open_engine(spec, plan, what ready published)``
@@ -98,6 +98,53 @@ def _child(role: str, spec: EngineSpec, plan: Plan, info: Any, q, stop, log: str
         q.put(("unusable", str(e)))
     except Exception as e:  # the process boundary: the parent reports it, as an engine failure
         q.put(("error", f"{role}: {type(e).__name__}: {e}"))
+
+
+def _open_backend(config: Config, conn, parent: int) -> None:
+    """Open and close the backend ``config`` names; send its ``ConfigError``'s message, or None."""
+    child_of(parent)
+    _redirect_output(os.devnull)  # native chatter
+    from ..agent import Agent
+
+    try:
+        Agent(name="bench-check", config=config).close()
+        conn.send(None)
+    except ConfigError as e:
+        conn.send(str(e))
+    except Exception:  # noqa: BLE001 - not an option's fault: the run reports it where it happens
+        conn.send(None)
+
+
+def check_configs(specs: list[EngineSpec], timeout: float = 120.0) -> None:
+    """``ConfigError`` now if a backend refuses its options (``-o``, ``--config``),
+    rather than after the engines before it ran their whole plan: each
+    backend opened once, each in a process of its own (see the module's doc),
+    all at once.  A backend that cannot run here is left to the run to report."""
+    ctx = mp.get_context("spawn")
+    checks = []
+    for spec in specs:
+        if spec.kind == "kvt" and spec.config is not None:
+            ours, theirs = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_open_backend, args=(spec.config, theirs, os.getpid()), daemon=True)
+            p.start()
+            theirs.close()
+            checks.append((spec, p, ours))
+    deadline = time.monotonic() + timeout
+    try:
+        for spec, p, conn in checks:
+            try:
+                refused = conn.recv() if conn.poll(max(0.0, deadline - time.monotonic())) else None
+            except EOFError:  # it died: the run says how
+                refused = None
+            if refused is not None:
+                raise ConfigError(f"backend {spec.config.backend!r}: {refused}")
+    finally:
+        for _spec, p, conn in checks:
+            conn.close()
+            p.join(max(0.0, min(5.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
 
 
 def _tails(logs: dict[str, Path], lines: int = 12) -> str:

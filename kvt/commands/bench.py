@@ -223,7 +223,7 @@ def _check_plot_format(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench import add_ratios, format_size, merge_rounds, report
+    from ..bench import add_ratios, check_configs, format_size, merge_rounds, report
 
     plan = _plan(args)
     specs = engine_specs(args)
@@ -240,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
                               "`pip install 'kvt[bench]'` (or `pip install matplotlib`), or drop --plot")
     if args.plot:
         _check_plot_format(args.plot)
+    check_configs(specs)  # a refused option now, not after the engines before it ran
     before, started = report.machine(), time.time()
     Console(stderr=True).print(
         f"kvt bench: {len(plan.cases)} cases x {len(specs)} engines ({', '.join(s.name for s in specs)}) "
